@@ -1,0 +1,170 @@
+"""Model configuration: one HF `config.json` in, one flat `ModelConfig` out.
+
+An inference engine needs a handful of numbers before it can allocate anything: how many layers,
+heads and KV heads, how wide each head is, how positions are rotated (rope and its scaling), and
+for DeepSeek-V2 the latent-attention and mixture-of-experts shapes. Hugging Face writes these in
+two dialects: transformers 4.x puts `rope_theta` at the top level and the scaling in
+`rope_scaling` (keyed `type` or `rope_type`); transformers 5.x folds both into `rope_parameters`.
+We read either into the same dataclass, so nothing downstream ever looks at raw JSON.
+"""
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "DeepseekV2ForCausalLM")
+
+
+class ConfigError(ValueError):
+    """A model folder or config.json we cannot use; the message is shown to the user as is."""
+
+
+@dataclass
+class ModelConfig:
+    architecture: str  # one of SUPPORTED_ARCHITECTURES
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope_theta: float
+    # Normalised rope scaling: None, or a dict with "rope_type" in {"linear", "llama3", "yarn"} and
+    # that type's parameters (factor, original_max_position_embeddings, ...).
+    rope_scaling: dict | None
+    bos_token_id: int | None
+    eos_token_ids: list[int] = field(default_factory=list)
+    # DeepSeek-V2: multi-head latent attention (MLA) ...
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # ... and mixture of experts (MoE).
+    n_routed_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    n_shared_experts: int = 0
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+
+    @property
+    def is_deepseek(self) -> bool:
+        return self.architecture == "DeepseekV2ForCausalLM"
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return (
+            self.n_routed_experts > 0
+            and layer_id >= self.first_k_dense_replace
+            and layer_id % self.moe_layer_freq == 0
+        )
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{model_dir}: no config.json (is this a Hugging Face model folder?)")
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: malformed JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return parse_config(raw, source=str(path))
+
+
+def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ConfigError(
+            f"{source}: unsupported architecture {archs or raw.get('model_type')!r}; "
+            f"nano supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+    def need(key):
+        if key not in raw or raw[key] is None:
+            raise ConfigError(f"{source}: missing required field {key!r}")
+        return raw[key]
+
+    try:
+        rope_theta, rope_scaling = _parse_rope(raw)
+        num_heads = int(need("num_attention_heads"))
+        hidden = int(need("hidden_size"))
+        eos = raw.get("eos_token_id")
+        cfg = ModelConfig(
+            architecture=arch,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            num_layers=int(need("num_hidden_layers")),
+            num_heads=num_heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=int(raw.get("head_dim") or hidden // num_heads),
+            intermediate_size=int(need("intermediate_size")),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+        )
+        if arch == "DeepseekV2ForCausalLM":
+            _parse_deepseek(raw, cfg, need)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError, KeyError) as e:
+        raise ConfigError(f"{source}: bad or missing value ({e})") from None
+    return cfg
+
+
+def _parse_rope(raw: dict) -> tuple[float, dict | None]:
+    """Both dialects -> (rope_theta, normalised scaling dict or None)."""
+    params = raw.get("rope_parameters")  # transformers 5.x
+    if params is None:  # transformers 4.x
+        params = dict(raw.get("rope_scaling") or {})
+        params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    params = dict(params)
+    theta = float(params.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if rope_type == "default":
+        return theta, None
+    if rope_type not in ("linear", "llama3", "yarn"):
+        raise ConfigError(f"unsupported rope scaling type {rope_type!r} (nano has linear, llama3, yarn)")
+    params["rope_type"] = rope_type
+    params["factor"] = float(params["factor"])
+    if "original_max_position_embeddings" not in params and rope_type != "linear":
+        params["original_max_position_embeddings"] = raw["max_position_embeddings"]
+    return theta, params
+
+
+def _parse_deepseek(raw: dict, cfg: ModelConfig, need) -> None:
+    cfg.q_lora_rank = raw.get("q_lora_rank")
+    cfg.kv_lora_rank = int(need("kv_lora_rank"))
+    cfg.qk_nope_head_dim = int(need("qk_nope_head_dim"))
+    cfg.qk_rope_head_dim = int(need("qk_rope_head_dim"))
+    cfg.v_head_dim = int(need("v_head_dim"))
+    cfg.n_routed_experts = int(raw.get("n_routed_experts") or 0)
+    cfg.num_experts_per_tok = int(raw.get("num_experts_per_tok") or 0)
+    cfg.moe_intermediate_size = int(raw.get("moe_intermediate_size") or 0)
+    cfg.n_shared_experts = int(raw.get("n_shared_experts") or 0)
+    cfg.first_k_dense_replace = int(raw.get("first_k_dense_replace", 0))
+    cfg.moe_layer_freq = int(raw.get("moe_layer_freq", 1))
+    cfg.norm_topk_prob = bool(raw.get("norm_topk_prob", False))
+    cfg.routed_scaling_factor = float(raw.get("routed_scaling_factor", 1.0))
+    scoring = raw.get("scoring_func", "softmax")
+    topk_method = raw.get("topk_method", "greedy")
+    if scoring != "softmax" or topk_method != "greedy":
+        raise ConfigError(
+            f"unsupported DeepSeek router (scoring_func={scoring!r}, topk_method={topk_method!r}); "
+            "nano has softmax scoring with greedy top-k (DeepSeek-V2-Lite)"
+        )
+    # MLA keeps one latent "KV head"; num_kv_heads/head_dim describe the query/key width instead.
+    cfg.head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim

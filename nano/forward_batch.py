@@ -1,0 +1,81 @@
+"""ForwardBatch: everything one forward pass needs to know about the requests in it.
+
+An engine runs many requests in one pass by packing their tokens into one flat list of T tokens
+(no padding between requests). Two kinds of pass exist:
+- extend (prefill): each request brings `extend_len` new tokens after `prefix_len` tokens that are
+  already in the KV cache (0 for a fresh prompt);
+- decode: each of the B requests brings exactly one new token, so T == B.
+Each token carries its position (for rope) and the pool slot its K/V goes to (`out_cache_loc`);
+each request carries its row in `req_to_token` and its length after this pass (`seq_lens`).
+
+Tensors live on the device. The `*_cpu` lists are host copies for code that needs Python ints
+(the torch reference attention, the extend kernel's grid); the decode path never reads them, so a
+CUDA graph can replay it.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    is_decode: bool
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    out_cache_loc: torch.Tensor  # [T] int32: pool slot of each new token
+    req_pool_indices: torch.Tensor  # [B] int32: row of each request in req_to_token
+    seq_lens: torch.Tensor  # [B] int32: tokens of each request after this pass
+    seq_lens_cpu: list[int]
+    # extend only
+    prefix_lens: torch.Tensor | None = None  # [B] int32
+    extend_lens: torch.Tensor | None = None  # [B] int32
+    extend_start_loc: torch.Tensor | None = None  # [B] int32: first of each request's tokens in [T]
+    prefix_lens_cpu: list[int] | None = None
+    extend_lens_cpu: list[int] | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @classmethod
+    def extend(cls, input_ids: list[int], prefix_lens: list[int], extend_lens: list[int],
+               req_pool_indices: list[int], out_cache_loc: torch.Tensor, device) -> "ForwardBatch":
+        """input_ids: the new tokens of all requests, concatenated."""
+        starts, positions = [], []
+        for prefix, n in zip(prefix_lens, extend_lens):
+            starts.append(len(positions))
+            positions.extend(range(prefix, prefix + n))
+        seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
+
+        def dev(x, dtype=torch.int32):
+            return torch.tensor(x, dtype=dtype, device=device)
+
+        return cls(
+            is_decode=False,
+            input_ids=dev(input_ids, torch.int64),
+            positions=dev(positions, torch.int64),
+            out_cache_loc=out_cache_loc,
+            req_pool_indices=dev(req_pool_indices),
+            seq_lens=dev(seq_lens),
+            seq_lens_cpu=seq_lens,
+            prefix_lens=dev(prefix_lens),
+            extend_lens=dev(extend_lens),
+            extend_start_loc=dev(starts),
+            prefix_lens_cpu=list(prefix_lens),
+            extend_lens_cpu=list(extend_lens),
+        )
+
+    @classmethod
+    def decode(cls, input_ids: list[int], seq_lens: list[int], req_pool_indices: list[int],
+               out_cache_loc: torch.Tensor, device) -> "ForwardBatch":
+        """seq_lens include the new token, whose position is seq_len - 1."""
+        return cls(
+            is_decode=True,
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
+            positions=torch.tensor([n - 1 for n in seq_lens], dtype=torch.int64, device=device),
+            out_cache_loc=out_cache_loc,
+            req_pool_indices=torch.tensor(req_pool_indices, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            seq_lens_cpu=list(seq_lens),
+        )

@@ -1,0 +1,83 @@
+"""Rotary position embeddings (rope) and the context-extension tricks built on them.
+
+Rope encodes a token's position by rotating pairs of query/key channels by an angle
+`position * inv_freq[i]`; the dot product q.k then depends only on the distance between the two
+tokens. Long-context variants only change the frequencies:
+- linear: divide every frequency by `factor` (positions are squeezed);
+- llama3 (Llama-3.1): keep high frequencies, divide low ones by `factor`, blend in between;
+- yarn (DeepSeek-V2): the same idea with a ramp over channel index, plus a magnitude correction
+  `mscale` folded into cos/sin (and, for DeepSeek, into the softmax scale: see model.py).
+
+We precompute one cos/sin table for every position once, and rotate "halves" (channel i pairs with
+channel i + d/2, the NeoX/HF-Llama convention). DeepSeek checkpoints pair neighbours (2j, 2j+1)
+instead; model.py permutes those weight rows at load time so the same rotation serves both.
+"""
+
+import math
+
+import torch
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_frequencies(rot_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
+    """-> (inv_freq [rot_dim/2] float32, magnitude multiplier for cos/sin)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim)
+    if scaling is None:
+        return inv_freq.float(), 1.0
+    kind, factor = scaling["rope_type"], scaling["factor"]
+    if kind == "linear":
+        return (inv_freq / factor).float(), 1.0
+    original_ctx = scaling["original_max_position_embeddings"]
+    if kind == "llama3":
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (original_ctx / wavelen - low) / (high - low)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(
+            wavelen < original_ctx / high,
+            inv_freq,
+            torch.where(wavelen > original_ctx / low, inv_freq / factor, blended),
+        )
+        return inv_freq.float(), 1.0
+    # yarn
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        return rot_dim * math.log(original_ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), rot_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rot_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)
+    if scaling.get("attention_factor") is not None:
+        magnitude = scaling["attention_factor"]
+    elif scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        magnitude = yarn_mscale(factor, scaling["mscale"]) / yarn_mscale(factor, scaling["mscale_all_dim"])
+    else:
+        magnitude = yarn_mscale(factor)
+    return inv_freq.float(), magnitude
+
+
+class RotaryEmbedding(torch.nn.Module):
+    def __init__(self, rot_dim: int, max_positions: int, theta: float, scaling: dict | None):
+        super().__init__()
+        inv_freq, magnitude = rope_frequencies(rot_dim, theta, scaling)
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        # [max_positions, rot_dim]: cos of each pair's angle in the first half, sin in the second.
+        cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1) * magnitude
+        self.register_buffer("cos_sin", cos_sin, persistent=False)
+
+    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Rotate each x [T, H, rot_dim] by its token's position [T]."""
+        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rot_dim/2] each
+        out = []
+        for x in xs:
+            x1, x2 = x.float().chunk(2, dim=-1)
+            rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+            out.append(rotated.to(x.dtype))
+        return tuple(out)
