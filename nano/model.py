@@ -1,0 +1,258 @@
+"""The models: Llama and DeepSeek-V2 forward passes, and loading their weights.
+
+A decoder-only transformer turns a batch of token ids into next-token logits:
+embed -> N x (RMSNorm -> attention -> add, RMSNorm -> MLP -> add) -> RMSNorm -> lm_head.
+An inference engine runs it over a *packed* batch: the new tokens of several requests in one flat
+list `[T, hidden]`, each with its own position; attention is the only place where requests are
+kept apart, and it is delegated to an attention backend (torch_attn.py, triton_attn.py) that reads
+and writes the KV cache. Everything else is per token and does not care which request a token is.
+
+Two things make the code below differ from a training implementation:
+- fused projections: q/k/v are one matmul (`qkv_proj`) and gate/up are one (`gate_up_proj`), so a
+  decode step launches fewer, larger kernels. The loader writes each checkpoint tensor into its
+  rows of the fused weight.
+- only the last token of each request gets logits: that is all sampling needs.
+
+Weights are loaded tensor by tensor straight onto the target device, so an 8B model never needs
+twice its size in host memory. The dummy load format fills the same shapes with random numbers,
+for benchmarks without a download.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+from nano.config import ModelConfig
+from nano.forward_batch import ForwardBatch
+from nano.rope import RotaryEmbedding
+
+
+class WeightError(ValueError):
+    """Missing, mis-shaped or unreadable weights; the message is shown to the user as is."""
+
+
+class Linear(nn.Module):
+    """y = x W^T. Several checkpoint matrices may be stacked into one weight (`output_sizes`).
+    The weight is left uninitialised: the loader fills it."""
+
+    def __init__(self, in_features: int, output_sizes: int | list[int]):
+        super().__init__()
+        self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else output_sizes
+        self.weight = nn.Parameter(torch.empty(sum(self.output_sizes), in_features), requires_grad=False)
+
+    def forward(self, x):
+        return F.linear(x, self.weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x):
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class SwiGLU(nn.Module):
+    """The Llama MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_up_proj = Linear(hidden, [intermediate, intermediate])
+        self.down_proj = Linear(intermediate, hidden)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.layer_id, self.rotary = layer_id, rotary
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size])
+        self.o_proj = Linear(q_size, cfg.hidden_size)
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(self, x, batch: ForwardBatch, attn):
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(batch.positions, q, k)
+        out = attn.forward(q, k, v, self.layer_id, batch, self.scale)  # [T, H, D]
+        return self.o_proj(out.view(num_tokens, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, attention: nn.Module, mlp: nn.Module):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = attention
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(self, x, batch, attn):
+        x = x + self.self_attn(self.input_layernorm(x), batch, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """Embedding, decoder layers, final norm and lm_head; the layers decide the architecture."""
+
+    def __init__(self, cfg: ModelConfig, layers: list[nn.Module]):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+
+    def forward(self, batch: ForwardBatch, attn) -> torch.Tensor:
+        """-> logits [B, vocab] (float32) of each request's last token."""
+        attn.init_forward_metadata(batch)
+        x = F.embedding(batch.input_ids, self.embed_tokens)  # [T, hidden]
+        for layer in self.layers:
+            x = layer(x, batch, attn)
+        if not batch.is_decode:  # keep only each request's last token
+            x = x[batch.extend_start_loc + batch.extend_lens - 1]  # [B, hidden]
+        x = self.norm(x)
+        head = self.embed_tokens if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, head).float()
+
+    def checkpoint_layout(self) -> dict[str, tuple[torch.Tensor, tuple]]:
+        """HF tensor name -> (our parameter, index of the rows it fills)."""
+        layout = {"model.embed_tokens.weight": (self.embed_tokens, ())}
+        if self.lm_head is not None:
+            layout["lm_head.weight"] = (self.lm_head.weight, ())
+        for name, module in self.named_modules():
+            prefix = "model." + name if name else "model"
+            if isinstance(module, Linear) and module is not self.lm_head:
+                layout.update(_stacked_layout(prefix, module))
+            elif isinstance(module, RMSNorm):
+                layout[prefix + ".weight"] = (module.weight, ())
+        return layout
+
+    def prepare_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Reshuffle a checkpoint tensor before it is copied in (DeepSeek overrides this)."""
+        return tensor
+
+    def after_load(self):
+        """Derive weights from the loaded ones (DeepSeek overrides this)."""
+
+
+# Which checkpoint matrices were stacked into which of our fused weights, in order.
+STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _stacked_layout(prefix: str, linear: Linear) -> dict:
+    parent, _, own = prefix.rpartition(".")
+    names = STACKED.get(own, (own,))
+    layout, row = {}, 0
+    for name, size in zip(names, linear.output_sizes, strict=True):
+        layout[f"{parent}.{name}.weight"] = (linear.weight, (slice(row, row + size),))
+        row += size
+    return layout
+
+
+def build_llama(cfg: ModelConfig) -> CausalLM:
+    rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+    layers = [
+        DecoderLayer(cfg, LlamaAttention(cfg, i, rotary), SwiGLU(cfg.hidden_size, cfg.intermediate_size))
+        for i in range(cfg.num_layers)
+    ]
+    return CausalLM(cfg, layers)
+
+
+def build_model(cfg: ModelConfig, use_mla: bool) -> CausalLM:
+    if cfg.is_deepseek:
+        from nano.deepseek import build_deepseek_v2  # deepseek.py builds on the pieces above
+
+        return build_deepseek_v2(cfg, use_mla)
+    return build_llama(cfg)
+
+
+def load_model(cfg: ModelConfig, model_dir, device, dtype: torch.dtype, load_format: str = "safetensors",
+               use_mla: bool = True, seed: int = 0) -> CausalLM:
+    """Build the model on `device` in `dtype` and fill its weights ("safetensors" or "dummy")."""
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = build_model(cfg, use_mla)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    if load_format == "dummy":
+        _fill_random(model, seed)
+    else:
+        _load_safetensors(model, Path(model_dir))
+    model.after_load()
+    return model.eval()
+
+
+def _fill_random(model: CausalLM, seed: int):
+    """Random weights in the real shapes: norms near 1, matrices small enough to keep
+    activations bounded through many layers."""
+    gen = torch.Generator(device=model.embed_tokens.device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data.uniform_(0.9, 1.1, generator=gen)
+        else:
+            p.data.normal_(0, 0.02, generator=gen)
+
+
+def _checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise WeightError(f"{index}: malformed index ({e})") from None
+        files = [model_dir / f for f in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise WeightError(f"{model_dir}: no *.safetensors weights found")
+    for f in files:
+        if not f.is_file():
+            raise WeightError(f"{f}: weight file named in the index is missing")
+    return files
+
+
+def _load_safetensors(model: CausalLM, model_dir: Path):
+    layout = model.checkpoint_layout()
+    loaded = set()
+    device = model.embed_tokens.device
+    for path in _checkpoint_files(model_dir):
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    if name not in layout:
+                        continue  # e.g. rotary_emb.inv_freq, or lm_head of a tied model
+                    param, index = layout[name]
+                    target = param.data[index]
+                    tensor = f.get_tensor(name)
+                    if tensor.shape != target.shape:
+                        raise WeightError(
+                            f"{path.name}: tensor {name} has shape {list(tensor.shape)}, "
+                            f"expected {list(target.shape)}"
+                        )
+                    target.copy_(model.prepare_checkpoint_tensor(name, tensor).to(device))
+                    loaded.add(name)
+        except WeightError:
+            raise
+        except Exception as e:  # safetensors raises its own types for truncated or corrupt files
+            raise WeightError(f"{path}: cannot read weights ({e})") from None
+    missing = sorted(set(layout) - loaded)
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise WeightError(f"{model_dir}: missing tensor {missing[0]}{more}")
+

@@ -1,0 +1,67 @@
+"""Sampling: turning each request's logits into its next token.
+
+Every request carries its own settings, so one batch may mix greedy and sampled requests:
+- temperature 0 is greedy (argmax); otherwise logits are divided by the temperature,
+- top-k keeps the k most likely tokens, top-p the smallest set whose probability reaches p,
+- a request with a seed draws from its own random generator, so its output does not depend on
+  which other requests happen to share its batch.
+Sampling uses the "exponential race": argmax(p / E) with E ~ Exp(1) picks token i with
+probability p_i, and needs no cumulative sums over the vocabulary.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k
+    max_new_tokens: int = 256
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def validate(self):
+        """Raise ValueError with a one-line message for a setting that makes no sense."""
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top-k must be >= 0, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
+    """logits [B, vocab] float32 -> next tokens [B] (int64, on the logits' device)."""
+    greedy = logits.argmax(dim=-1)
+    if all(p.temperature == 0 for p in params):
+        return greedy
+    device = logits.device
+    temperature = torch.tensor([p.temperature or 1.0 for p in params], device=device)
+    probs = torch.softmax(logits / temperature[:, None], dim=-1)
+    probs = _top_k_top_p(probs, params)
+    race = torch.empty_like(probs)
+    for row, gen in enumerate(generators):
+        race[row].exponential_(generator=gen)
+    sampled = (probs / race).argmax(dim=-1)
+    is_greedy = torch.tensor([p.temperature == 0 for p in params], device=device)
+    return torch.where(is_greedy, greedy, sampled)
+
+
+def _top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    if all(p.top_k == 0 and p.top_p >= 1 for p in params):
+        return probs
+    device, vocab = probs.device, probs.shape[-1]
+    top_k = torch.tensor([p.top_k or vocab for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=device)
+    # keep a token if it is within the top k and the probability mass before it is below p
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    keep = (rank[None, :] < top_k[:, None]) & (mass_before < top_p[:, None])
+    sorted_probs = sorted_probs * keep
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
