@@ -95,6 +95,7 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.next_rid = 0
+        self.stats = dict(prefill_s=0.0, prefill_tokens=0, decode_s=0.0, decode_tokens=0)
 
     def _print(self, msg):
         if self.log:
@@ -126,10 +127,13 @@ class Engine:
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[tuple[Request, int]]:
+        started = time.perf_counter()
         admitted = self._admit()
-        if admitted:
-            return self._prefill(admitted)
-        return self._decode()
+        kind, events = ("prefill", self._prefill(admitted)) if admitted else ("decode", self._decode())
+        # sampling ended with a host copy of the tokens, so the clock reads finished GPU work
+        self.stats[kind + "_s"] += time.perf_counter() - started
+        self.stats[kind + "_tokens"] += sum(len(r.prompt_ids) for r in admitted) if admitted else len(events)
+        return events
 
     def _admit(self) -> list[Request]:
         admitted, num_tokens = [], 0

@@ -1,0 +1,112 @@
+"""Latency benchmark in the seed system's format: one prefill, then decode steps, per batch size.
+
+    python -m nano.bench_latency --model llama-3-8b --load-format dummy --batch-size 1 8 32 \\
+        --input-len 128 --output-len 8
+
+For each batch size it runs `batch_size` requests of `input_len` random tokens through one
+prefill and `output_len - 1` decode steps (after a warm-up round that compiles kernels), and prints
+the prefill latency and the median decode-step latency, each with its throughput.
+
+Decode at small batch is memory-bound: each step must read every weight once (for a
+mixture-of-experts model, only the experts the batch routes to) and each request's KV cache.
+Dividing those bytes by the step time gives the achieved bandwidth; its fraction of the device's
+measured copy bandwidth says how close the step is to the hardware's floor.
+"""
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from nano.generate import UsageError, add_engine_args, engine_from_args
+from nano.kv_cache import kv_bytes_per_token
+from nano.sampling import SamplingParams
+
+H200_COPY_BANDWIDTH = 4.15e12  # bytes/s, device-to-device copy measured on an H200 (design.md section 6)
+
+
+def weight_bytes_per_step(model, batch_size: int) -> float:
+    """Bytes of weights one decode step reads: all but the embedding table (unless it doubles as
+    lm_head); of a MoE layer's routed experts, the expected number a batch touches."""
+    cfg = model.cfg
+    total = 0.0
+    for name, p in model.named_parameters():
+        if name == "embed_tokens" and not cfg.tie_word_embeddings:
+            continue
+        size = p.numel() * p.element_size()
+        if ".experts." in f".{name}." and "shared" not in name:
+            # each token picks k of E experts; a batch of b touches E (1 - (1 - k/E)^b) on average
+            k, e = cfg.num_experts_per_tok, cfg.n_routed_experts
+            size *= 1 - (1 - k / e) ** batch_size
+        total += size
+    return total
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_once(engine, batch_size: int, input_len: int, output_len: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(batch_size):
+        prompt = torch.randint(10, engine.cfg.vocab_size, (input_len,), generator=g).tolist()
+        engine.add_request(prompt, SamplingParams(max_new_tokens=output_len, ignore_eos=True))
+    step_times = []
+    while engine.has_work():
+        sync(engine.device)
+        started = time.perf_counter()
+        engine.step()
+        sync(engine.device)
+        step_times.append(time.perf_counter() - started)
+    return step_times[0], step_times[1:]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m nano.bench_latency", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="llama-3-8b")
+    p.add_argument("--load-format", choices=["safetensors", "dummy"], default="safetensors")
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1])
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=8)
+    add_engine_args(p)
+    args = p.parse_args(argv)
+    if min(args.batch_size) < 1 or args.input_len < 1 or args.output_len < 2:
+        p.error("--batch-size and --input-len must be >= 1, --output-len >= 2")
+    max_bs = max(args.batch_size)
+    args.max_running_requests = max(args.max_running_requests, max_bs)
+    args.cuda_graph_max_bs = max(args.cuda_graph_max_bs, max_bs)
+    if args.max_total_tokens is None:
+        args.max_total_tokens = max_bs * (args.input_len + args.output_len) + 1
+    try:
+        engine, _ = engine_from_args(args)
+    except (UsageError, ValueError) as e:
+        sys.exit(f"error: {e}")
+    engine.max_prefill_tokens = max_bs * args.input_len
+    graphs = "on" if engine.graph_runner is not None else "off"
+    print(f"{engine.cfg.architecture}, {engine.dtype}, {engine.device}, CUDA graphs {graphs}, "
+          f"attention {type(engine.attn).__name__}")
+
+    for bs in args.batch_size:
+        run_once(engine, bs, args.input_len, args.output_len, seed=0)  # warm-up
+        prefill_s, decode_s = run_once(engine, bs, args.input_len, args.output_len, seed=1)
+        median = statistics.median(decode_s)
+        print(f"batch size {bs}")
+        print(f"Prefill. latency: {prefill_s:.5f} s, throughput: {bs * args.input_len / prefill_s:9.2f} token/s")
+        print(f"Decode.  median latency: {median:.5f} s, median throughput: {bs / median:9.2f} token/s")
+        weights = weight_bytes_per_step(engine.model, bs)
+        # the KV read by a middle decode step: every request holds about input_len + output_len / 2 tokens
+        kv = bs * (args.input_len + args.output_len // 2) * kv_bytes_per_token(engine.cfg, engine.dtype, engine.use_mla)
+        achieved = (weights + kv) / median
+        line = (f"Bytes read per decode step: {weights / 1e9:.2f} GB weights + {kv / 1e9:.3f} GB KV; "
+                f"achieved {achieved / 1e9:.0f} GB/s")
+        if engine.device.type == "cuda":
+            line += (f" = {achieved / H200_COPY_BANDWIDTH:.0%} of the H200's measured copy bandwidth "
+                     f"(floor {(weights + kv) / H200_COPY_BANDWIDTH * 1e3:.2f} ms)")
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""CUDA graphs for decode: record each decode step's hundreds of kernel launches once, replay them.
+
+At small batches a decode step is short on the GPU but long on the host: Python and the CUDA
+driver spend a few microseconds launching each of several hundred kernels, and the GPU waits.
+A CUDA graph records the launches once, with their arguments (pointers, grid sizes), and replays
+the whole sequence with one call. The price: every replay reuses the same memory and the same
+shapes. So the runner
+- captures one graph per batch size in `[1, 2, 4, 8, 16, 24, ..., max_bs]`, largest first, all
+  sharing one memory pool (the graphs never run at once, so they can reuse each other's memory);
+- keeps static input buffers sized for max_bs (input_ids, positions, req_pool_indices, seq_lens,
+  out_cache_loc); a replay copies the real batch into their first rows and pads the rest with
+  harmless values: sequence length 1, KV written to the reserved slot 0;
+- replays the smallest captured size >= the real batch (bisect) and slices the outputs back.
+Nothing inside the captured forward may synchronise with the host or depend on tensor values for
+a shape: the attention backend computes its per-batch metadata on the device for that reason.
+Prefill (extend) and batches above max_bs run eagerly.
+"""
+
+import bisect
+import sys
+import time
+
+import torch
+
+from nano.forward_batch import ForwardBatch
+
+
+class GraphCaptureError(RuntimeError):
+    """Capture failed (out of memory); the message says which knob to turn."""
+
+
+def capture_batch_sizes(max_bs: int) -> list[int]:
+    return [bs for bs in [1, 2, 4, 8] if bs <= max_bs] + list(range(16, max_bs + 1, 8))
+
+
+def padded_batch_size(batch_sizes: list[int], bs: int) -> int:
+    """The smallest captured size that holds bs requests."""
+    return batch_sizes[bisect.bisect_left(batch_sizes, bs)]
+
+
+class StaticDecodeInputs:
+    """The decode inputs every graph reads: one buffer each, sized for the largest batch."""
+
+    def __init__(self, max_bs: int, device):
+        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.out_cache_loc = torch.zeros(max_bs, dtype=torch.int32, device=device)
+        self.req_pool_indices = torch.zeros(max_bs, dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
+
+    def batch(self, bs: int) -> ForwardBatch:
+        """A decode batch over the first bs rows of the buffers."""
+        return ForwardBatch(
+            is_decode=True,
+            input_ids=self.input_ids[:bs],
+            positions=self.positions[:bs],
+            out_cache_loc=self.out_cache_loc[:bs],
+            req_pool_indices=self.req_pool_indices[:bs],
+            seq_lens=self.seq_lens[:bs],
+            seq_lens_cpu=[1] * bs,  # never read on the decode path; keeps batch_size right
+        )
+
+    def fill(self, batch: ForwardBatch, padded_bs: int):
+        """Copy the real batch into the first rows; make rows bs..padded_bs harmless: length 1,
+        position 0, K/V written to the reserved slot 0."""
+        bs = batch.batch_size
+        for name in ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens"):
+            static = getattr(self, name)
+            static[:bs].copy_(getattr(batch, name))
+            static[bs:padded_bs] = 1 if name == "seq_lens" else 0
+
+
+class CudaGraphRunner:
+    def __init__(self, engine, max_bs: int):
+        self.model, self.attn = engine.model, engine.attn
+        self.batch_sizes = capture_batch_sizes(min(max_bs, engine.req_to_token_pool.req_to_token.shape[0]))
+        self.max_bs = self.batch_sizes[-1]
+        self.inputs = StaticDecodeInputs(self.max_bs, engine.device)
+        self.graphs, self.logits = {}, {}
+        self.capture(engine.log)
+
+    def capture(self, log: bool):
+        started, free_before = time.perf_counter(), torch.cuda.mem_get_info()[0]
+        pool = torch.cuda.graph_pool_handle()
+        for i, bs in enumerate(reversed(self.batch_sizes)):
+            if log:
+                print(f"\rcapturing CUDA graphs: batch size {bs:4d} ({i + 1}/{len(self.batch_sizes)})",
+                      end="", file=sys.stderr)
+            batch = self.inputs.batch(bs)
+            try:
+                for _ in range(2):  # warm-up: compiles Triton kernels, settles the allocator
+                    self.model(batch, self.attn)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.logits[bs] = self.model(batch, self.attn)
+            except torch.cuda.OutOfMemoryError:
+                raise GraphCaptureError(
+                    f"out of GPU memory while capturing the CUDA graph for batch size {bs}: lower "
+                    "--cuda-graph-max-bs or --mem-fraction, or pass --disable-cuda-graph") from None
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+        if log:
+            used = (free_before - torch.cuda.mem_get_info()[0]) / 2**30
+            print(f"\rcaptured {len(self.batch_sizes)} CUDA graphs (batch 1..{self.max_bs}) in "
+                  f"{time.perf_counter() - started:.1f} s, using {used:.2f} GiB", file=sys.stderr)
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return batch.is_decode and batch.batch_size <= self.max_bs
+
+    def replay(self, batch: ForwardBatch) -> torch.Tensor:
+        padded_bs = padded_batch_size(self.batch_sizes, batch.batch_size)
+        self.inputs.fill(batch, padded_bs)
+        self.graphs[padded_bs].replay()
+        return self.logits[padded_bs][: batch.batch_size]

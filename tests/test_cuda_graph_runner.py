@@ -1,0 +1,65 @@
+"""CUDA-graph runner: bucketing and static-buffer filling on CPU (CI); capture and replay
+against eager decoding on the GPU (skipped without CUDA)."""
+
+import pytest
+import torch
+
+from nano.cuda_graph_runner import StaticDecodeInputs, capture_batch_sizes, padded_batch_size
+from nano.forward_batch import ForwardBatch
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_capture_sizes_and_bucketing():
+    sizes = capture_batch_sizes(160)
+    assert sizes[:6] == [1, 2, 4, 8, 16, 24] and sizes[-1] == 160 and sizes == sorted(sizes)
+    assert capture_batch_sizes(6) == [1, 2, 4]
+    assert [padded_batch_size(sizes, bs) for bs in (1, 2, 3, 5, 8, 9, 17, 159, 160)] == [
+        1, 2, 4, 8, 8, 16, 24, 160, 160]
+
+
+def test_fill_copies_real_rows_and_pads_harmlessly():
+    inputs = StaticDecodeInputs(16, "cpu")
+    for buf in vars(inputs).values():
+        buf.fill_(77)  # poison: every row must be written
+    batch = ForwardBatch.decode([5, 6, 7], [10, 3, 42], [2, 0, 9],
+                                torch.tensor([31, 32, 33], dtype=torch.int32), "cpu")
+    inputs.fill(batch, padded_bs=8)
+    assert inputs.input_ids[:8].tolist() == [5, 6, 7, 0, 0, 0, 0, 0]
+    assert inputs.positions[:8].tolist() == [9, 2, 41, 0, 0, 0, 0, 0]
+    assert inputs.out_cache_loc[:8].tolist() == [31, 32, 33, 0, 0, 0, 0, 0]  # padding writes slot 0
+    assert inputs.req_pool_indices[:8].tolist() == [2, 0, 9, 0, 0, 0, 0, 0]
+    assert inputs.seq_lens[:8].tolist() == [10, 3, 42, 1, 1, 1, 1, 1]
+    assert inputs.seq_lens[8:].tolist() == [77] * 8  # rows past the padded size are not read
+    view = inputs.batch(8)
+    assert view.batch_size == 8 and view.is_decode
+    assert view.input_ids.data_ptr() == inputs.input_ids.data_ptr()  # views, not copies
+
+
+def _random_prompts(n, vocab, seed):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 200, (n,), generator=g).tolist()
+    return [torch.randint(3, vocab, (m,), generator=g).tolist() for m in lengths]
+
+
+@requires_cuda
+@pytest.mark.parametrize("shape", ["smollm2-135m", "llama-3-8b"])
+def test_graphs_match_eager_as_the_batch_shrinks(shape):
+    from nano.engine import Engine
+    from nano.generate import SHIPPED_CONFIGS
+    from nano.sampling import SamplingParams
+
+    prompts = _random_prompts(13, 32000, seed=0)
+    params = [SamplingParams(max_new_tokens=4 + 3 * i, ignore_eos=True) for i in range(13)]
+    outputs = {}
+    for graphs in (False, True):
+        engine = Engine(SHIPPED_CONFIGS / shape, device="cuda", dtype=torch.bfloat16, attention_backend="triton",
+                        load_format="dummy", max_total_tokens=8192, max_requests=32, cuda_graph=graphs,
+                        cuda_graph_max_bs=32, log=False)
+        outputs[graphs] = engine.generate(prompts, params)
+        if graphs:  # a batch replayed after other batch sizes still matches eager
+            outputs["again"] = engine.generate(prompts[:5], params[:5])
+        del engine
+        torch.cuda.empty_cache()
+    assert outputs[True] == outputs[False]
+    assert outputs["again"] == outputs[False][:5]

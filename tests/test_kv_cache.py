@@ -1,0 +1,59 @@
+"""The slot allocator and request table, and the engine's batching on top of them (CPU)."""
+
+import torch
+
+from nano.kv_cache import SlotAllocator
+from tests.test_llama_parity import TINY, random_prompts, save_tiny_llama
+
+from nano.engine import Engine
+from nano.sampling import SamplingParams
+
+
+def test_allocator_never_hands_out_slot_zero_or_twice_and_reuses_freed():
+    alloc = SlotAllocator(64, "cpu")
+    assert alloc.available == 63
+    held = [alloc.alloc(n) for n in (5, 20, 1, 37)]
+    assert alloc.alloc(1) is None  # all 63 are out
+    flat = torch.cat(held).tolist()
+    assert 0 not in flat and len(set(flat)) == len(flat) == 63
+    alloc.free(held[1])
+    again = alloc.alloc(20)
+    assert sorted(again.tolist()) == sorted(held[1].tolist())
+    assert alloc.alloc(1) is None
+
+
+def test_batch_equals_single_runs_and_more_prompts_than_pool(tmp_path):
+    save_tiny_llama(tmp_path, "gqa")
+    prompts = random_prompts([3, 30, 11, 7, 25, 1, 16], TINY["vocab_size"], seed=5)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    singles = [Engine(tmp_path, max_total_tokens=64, log=False).generate([p], params)[0] for p in prompts]
+    # the pool holds 64 tokens: at most two or three of these requests at once, so the others
+    # wait and join as earlier ones finish (continuous batching)
+    engine = Engine(tmp_path, max_total_tokens=64, log=False)
+    batched = engine.generate(prompts, params)
+    assert batched == singles
+    assert engine.slots.available == 64 and engine.unreserved_slots == 64  # everything given back
+
+
+def test_stop_ids_end_requests_on_their_own(tmp_path):
+    save_tiny_llama(tmp_path, "mha")
+    prompts = random_prompts([4, 9, 14], TINY["vocab_size"], seed=2)
+    engine = Engine(tmp_path, max_total_tokens=200, log=False)
+    free_run = engine.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True))
+    stop = free_run[1][3]  # request 1 must stop at its 4th token
+    stopped = engine.generate(prompts, SamplingParams(max_new_tokens=10), stop_ids={stop})
+    assert stopped[1] == free_run[1][: free_run[1].index(stop) + 1]
+    for out, ref in zip(stopped, free_run):
+        assert out == ref[: ref.index(stop) + 1] if stop in ref else out == ref
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(tmp_path):
+    save_tiny_llama(tmp_path, "gqa")
+    prompts = random_prompts([6, 13, 2], TINY["vocab_size"], seed=3)
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_new_tokens=8, seed=11, ignore_eos=True)
+    engine = Engine(tmp_path, max_total_tokens=200, log=False)
+    batched = engine.generate(prompts, params)
+    singles = [engine.generate([p], params)[0] for p in prompts]
+    assert batched == singles
+    greedy = engine.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert batched != greedy  # it really sampled
