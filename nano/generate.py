@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from nano.config import ConfigError
+from nano.config import ConfigError, load_config
 from nano.model import WeightError
 from nano.sampling import SamplingParams
 
@@ -87,7 +87,7 @@ def resolve_model(name: str | None, load_format: str) -> Path:
     return path
 
 
-def engine_from_args(args):
+def engine_from_args(args, model_dir: Path):
     from nano.engine import Engine
 
     device = torch.device(args.device)
@@ -102,7 +102,6 @@ def engine_from_args(args):
             raise UsageError(f"{flag} must be > {low}, got {value}")
     if args.mem_fraction >= 1:
         raise UsageError(f"--mem-fraction must be below 1, got {args.mem_fraction}")
-    model_dir = resolve_model(args.model, args.load_format)
     backend = args.attention_backend or ("triton" if on_gpu else "torch")
     return Engine(
         model_dir, device=device, dtype=dtype, attention_backend=backend,
@@ -110,7 +109,7 @@ def engine_from_args(args):
         max_requests=args.max_running_requests, context_length=args.context_length,
         use_mla=not args.disable_mla, cuda_graph=on_gpu and backend == "triton" and not args.disable_cuda_graph,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
-    ), model_dir
+    )
 
 
 def read_prompts(args) -> list[str]:
@@ -138,8 +137,10 @@ def run(args):
         params.validate()
     except ValueError as e:
         raise UsageError(str(e)) from None
-    engine, model_dir = engine_from_args(args)
+    model_dir = resolve_model(args.model, args.load_format)
+    load_config(model_dir)  # a broken folder fails fast, before the tokenizer and the weights
     tokenizer = Tokenizer(model_dir)
+    engine = engine_from_args(args, model_dir)
     stop_ids = set(tokenizer.eos_token_ids) | set(engine.cfg.eos_token_ids)
     requests = []
     for i, prompt in enumerate(prompts):
@@ -176,12 +177,14 @@ def run(args):
 
 
 def main(argv=None):
+    from nano.cuda_graph_runner import GraphCaptureError
+    from nano.default_model import DefaultModelError
     from nano.tokenizer import TokenizerError
 
     try:
         args = build_parser().parse_args(argv)
         run(args)
-    except (UsageError, ConfigError, WeightError, TokenizerError) as e:
+    except (UsageError, ConfigError, WeightError, TokenizerError, DefaultModelError, GraphCaptureError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:

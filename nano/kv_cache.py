@@ -62,7 +62,7 @@ def slots_for_memory(cfg, dtype, device, use_mla: bool, mem_fraction: float) -> 
     if torch.device(device).type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
     else:  # on CPU there is no free-memory figure worth trusting; take a modest fixed budget
-        free = 4 << 30
+        free = 1 << 30
     return max(int(free * mem_fraction) // kv_bytes_per_token(cfg, dtype, use_mla), 2)
 
 

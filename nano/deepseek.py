@@ -1,0 +1,243 @@
+"""DeepSeek-V2: multi-head latent attention (MLA) and a mixture of experts (MoE).
+
+DeepSeek-V2 keeps the Llama skeleton (model.py: RMSNorm, residuals, SwiGLU, lm_head) and changes
+the two blocks that dominate inference cost: the KV cache and the MLP weights.
+
+MLA shrinks the cache. Every token is projected to one small latent `c` (512 channels for
+V2-Lite) plus one 64-channel rope key `k_pe` shared by all heads; per head, the key's non-rope part
+and the value are linear images of `c`: `k_nope_h = W_UK_h c`, `v_h = W_UV_h c` (both stacked in
+`kv_b_proj`). Expanding them would cache 16 heads x (192 + 128) values per token; instead we
+*absorb* the two matrices into the query and the output:
+    q_nope_h . k_nope_h = (W_UK_h^T q_nope_h) . c          (q_lat, 512 channels)
+    sum_s p_s v_h,s     = W_UV_h (sum_s p_s c_s)            (o_lat, 512 channels)
+so attention runs as if there were one 576-wide KV head `[c | k_pe]` shared by all query heads,
+queries `[q_lat | q_pe]` and values = the first 512 channels of that same row: 576 cached values
+per token and layer instead of 5120, and decode reads 9x fewer bytes. The absorbed form costs
+extra matmuls per query (q_nope -> q_lat, o_lat -> o), cheap next to reading the cache. We use it
+for prefill too, so the backend sees one layout; there it does ~3x the attention flops of the
+expanded form (576 + 512 channels a head instead of 192 + 128), a trade to revisit for long prompts.
+`use_mla=False` expands K/V per head instead (the seed system's non-MLA mode): plain multi-head
+attention with a 5120-value cache row, for comparison.
+
+Rope touches only q_pe and k_pe (the "decoupled" rope key: a rotation cannot be absorbed into
+W_UK, so it rides on separate channels). DeepSeek checkpoints pair channels (2j, 2j+1) for the
+rotation, while rope.py rotates halves (j, j + d/2); we reorder those weight rows once at load,
+which permutes q_pe and k_pe alike and leaves their dot product unchanged. YaRN's magnitude
+correction rides on cos/sin (rope.py) and, squared, on the softmax scale (below).
+
+MoE makes the MLP sparse: a router scores 64 experts (small SwiGLUs) per token, the top 6 run and
+their outputs are summed with the router's weights, plus 2 "shared" experts every token uses (one
+SwiGLU of twice the width). A token uses 2.4 B of V2-Lite's 16 B parameters, so a small decode
+batch reads a fraction of the weights, as a 2.4 B dense model would. How to run the chosen
+experts without host syncs (so a decode step can be a CUDA graph) is explained at `MoE.forward`.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nano.config import ModelConfig
+from nano.forward_batch import ForwardBatch
+from nano.model import CausalLM, DecoderLayer, Linear, RMSNorm, SwiGLU
+from nano.rope import RotaryEmbedding, yarn_mscale
+
+# DeepSeek's reference code and HF transformers build the norms inside attention (q_a_layernorm,
+# kv_a_layernorm) with RMSNorm's default eps, not the config's rms_norm_eps (the same value in every
+# released V2 config).
+LATENT_NORM_EPS = 1e-6
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, use_mla: bool):
+        super().__init__()
+        self.layer_id, self.rotary, self.use_mla = layer_id, rotary, use_mla
+        self.num_heads = cfg.num_heads
+        self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.latent_dim = cfg.kv_lora_rank
+        q_size = cfg.num_heads * cfg.head_dim  # head_dim = nope + rope = 192
+        self.q_lora = cfg.q_lora_rank is not None
+        if self.q_lora:  # V2: the query goes through its own low-rank bottleneck
+            self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = Linear(cfg.q_lora_rank, q_size)
+        else:  # V2-Lite: one plain projection
+            self.q_proj = Linear(cfg.hidden_size, q_size)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+        self.o_proj = Linear(cfg.num_heads * cfg.v_head_dim, cfg.hidden_size)
+        # YaRN sharpens attention at long context: DeepSeek multiplies every logit (rope and
+        # non-rope channels alike) by mscale(factor, mscale_all_dim)^2, and rope.py divides that
+        # mscale out of its cos/sin magnitude. Also in the absorbed form: its logits are the same.
+        self.scale = cfg.head_dim**-0.5
+        mscale_all_dim = (cfg.rope_scaling or {}).get("mscale_all_dim")
+        if mscale_all_dim:
+            self.scale *= yarn_mscale(cfg.rope_scaling["factor"], mscale_all_dim) ** 2
+
+    def absorb_kv_b_proj(self):
+        """After load: per-head views of kv_b_proj for the absorbed form (no copies)."""
+        per_head = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.latent_dim)
+        self.w_uk = per_head[:, : self.nope_dim]  # [H, 128, 512]: latent -> k_nope
+        self.w_uv = per_head[:, self.nope_dim :]  # [H, 128, 512]: latent -> v
+
+    def forward(self, x, batch: ForwardBatch, attn):
+        num_tokens = x.shape[0]
+        if self.q_lora:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
+        q = q.view(num_tokens, self.num_heads, self.nope_dim + self.rope_dim)  # [T, H, 192]
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)  # [T, H, 128], [T, H, 64]
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.latent_dim, self.rope_dim], dim=-1)
+        c = self.kv_a_layernorm(latent)  # [T, 512]: the norm leaves the rope key alone
+        q_pe, k_pe = self.rotary(batch.positions, q_pe, k_pe.unsqueeze(1))  # k_pe [T, 1, 64]
+        if self.use_mla:
+            out = self._attend_absorbed(q_nope, q_pe, c, k_pe, batch, attn)
+        else:
+            out = self._attend_expanded(q_nope, q_pe, c, k_pe, batch, attn)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
+
+    def _attend_absorbed(self, q_nope, q_pe, c, k_pe, batch, attn):
+        q_lat = torch.einsum("thn,hnc->thc", q_nope, self.w_uk)  # [T, H, 512]
+        query = torch.cat([q_lat, q_pe], dim=-1)  # [T, H, 576]
+        key = torch.cat([c.unsqueeze(1), k_pe], dim=-1)  # [T, 1, 576]: the cached row
+        o_lat = attn.forward(query, key, None, self.layer_id, batch, self.scale)  # [T, H, 512]
+        return torch.einsum("thc,hvc->thv", o_lat, self.w_uv)  # [T, H, 128]
+
+    def _attend_expanded(self, q_nope, q_pe, c, k_pe, batch, attn):
+        num_tokens = c.shape[0]
+        kv = self.kv_b_proj(c).view(num_tokens, self.num_heads, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [T, H, 128] each
+        query = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, 192]
+        key = torch.cat([k_nope, k_pe.expand(-1, self.num_heads, -1)], dim=-1)  # [T, H, 192]
+        return attn.forward(query, key, v, self.layer_id, batch, self.scale)  # [T, H, 128]
+
+
+# Up to this many tokens (the largest decode batch worth capturing in a CUDA graph, 160 by
+# default, and then some) the MoE runs in a form with static shapes and no host syncs; so does a
+# larger batch while a graph is being captured.
+STATIC_MOE_MAX_TOKENS = 256
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_experts, self.top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
+        self.norm_topk_prob, self.routed_scaling_factor = cfg.norm_topk_prob, cfg.routed_scaling_factor
+        hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate = Linear(hidden, cfg.n_routed_experts)  # the router
+        # All experts' weights stacked, so a batch of expert ids can index them on the device.
+        # w13 holds each expert's gate rows then its up rows, like SwiGLU.gate_up_proj.
+        self.w13 = nn.Parameter(torch.empty(cfg.n_routed_experts, 2 * inter, hidden), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(cfg.n_routed_experts, hidden, inter), requires_grad=False)
+        self.shared_experts = SwiGLU(hidden, inter * cfg.n_shared_experts) if cfg.n_shared_experts else None
+
+    def expert_layout(self, prefix: str) -> dict[str, tuple[torch.Tensor, tuple]]:
+        """Checkpoint names of each expert's matrices -> their place in w13 / w2."""
+        inter = self.w2.shape[-1]
+        layout = {}
+        for e in range(self.num_experts):
+            layout[f"{prefix}.{e}.gate_proj.weight"] = (self.w13, (e, slice(0, inter)))
+            layout[f"{prefix}.{e}.up_proj.weight"] = (self.w13, (e, slice(inter, 2 * inter)))
+            layout[f"{prefix}.{e}.down_proj.weight"] = (self.w2, (e,))
+        return layout
+
+    def route(self, x) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (weights [T, k] float32, expert ids [T, k])."""
+        # In float32, as DeepSeek does: bf16 rounding would flip the choice between close experts.
+        scores = F.linear(x.float(), self.gate.weight.float()).softmax(dim=-1)  # [T, E]
+        weights, ids = scores.topk(self.top_k, dim=-1)
+        # DeepSeek-V2's rule: renormalise the chosen weights *or* scale them, never both.
+        if self.top_k > 1 and self.norm_topk_prob:
+            return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20), ids
+        return weights * self.routed_scaling_factor, ids
+
+    def forward(self, x):
+        """Three forms of the same sum, chosen by the number of tokens T (a shape, never a value):
+        - gathered (tiny decode batches): copy each token's k experts out of the stack and run
+          them as batched matmuls. The copy reads and writes those weights once more, so it pays
+          while that is less traffic than reading every expert once (3 T k < E);
+        - dense (decode batches): run every expert on every token and zero the unchosen ones
+          through a [T, E] weight matrix. It wastes flops (E/k times the needed) but reads each
+          expert once, which a large decode batch does anyway, since it hits almost all of them;
+        - grouped (prefill): sort the (token, expert) pairs by expert and run each expert on its
+          own tokens. Sizes depend on the routing, so the host must see them (one sync): fine for
+          prefill, which is never captured, and it does only the needed flops.
+        Both decode forms keep static shapes and device-side indexing, so a graph can capture them.
+        A fused Triton MoE kernel would read only the chosen experts at every batch size."""
+        weights, ids = self.route(x)
+        num_tokens = x.shape[0]
+        if 3 * num_tokens * self.top_k < self.num_experts:
+            routed = self.gathered(x, weights, ids)
+        elif num_tokens <= STATIC_MOE_MAX_TOKENS or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            routed = self.dense(x, weights, ids)
+        else:
+            routed = self.grouped(x, weights, ids)
+        return routed if self.shared_experts is None else routed + self.shared_experts(x)
+
+    def gathered(self, x, weights, ids):
+        out = _swiglu(x[:, None, None, :], self.w13[ids], self.w2[ids])  # [T, k, 1, hidden]
+        return torch.einsum("tkh,tk->th", out.squeeze(2), weights.to(x.dtype))
+
+    def dense(self, x, weights, ids):
+        expert_weights = weights.new_zeros(x.shape[0], self.num_experts).scatter_(1, ids, weights)  # [T, E]
+        out = _swiglu(x, self.w13, self.w2)  # [E, T, hidden]
+        return torch.einsum("eth,te->th", out, expert_weights.to(x.dtype))
+
+    def grouped(self, x, weights, ids):
+        order = ids.flatten().argsort()  # (token, slot) pairs sorted by expert
+        token_of_pair = order // self.top_k  # [T*k]
+        tokens_per_expert = torch.bincount(ids.flatten(), minlength=self.num_experts).tolist()  # host sync
+        pairs_of_expert = x[token_of_pair].split(tokens_per_expert)
+        out = torch.cat([_swiglu(xs, self.w13[e], self.w2[e]) for e, xs in enumerate(pairs_of_expert)])
+        out *= weights.flatten()[order, None].to(x.dtype)  # [T*k, hidden]
+        return torch.zeros_like(x).index_add_(0, token_of_pair, out)
+
+
+def _swiglu(x, w13, w2):
+    """down(silu(gate(x)) * up(x)) with stacked expert weights; leading dimensions broadcast."""
+    gate, up = (x @ w13.mT).chunk(2, dim=-1)
+    return (F.silu(gate) * up) @ w2.mT
+
+
+class DeepseekV2(CausalLM):
+    """CausalLM plus the loading steps DeepSeek needs: stacked experts, rope rows reordered,
+    absorbed attention weights."""
+
+    def checkpoint_layout(self):
+        layout = super().checkpoint_layout()  # every Linear and RMSNorm, by its module path
+        for name, module in self.named_modules():
+            if isinstance(module, MoE):
+                layout.update(module.expert_layout(f"model.{name}.experts"))
+        return layout
+
+    def prepare_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        if name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
+            per_head = tensor.view(cfg.num_heads, cfg.head_dim, -1)  # [H, nope + rope, in]
+            nope, rope = per_head.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=1)
+            return torch.cat([nope, _pairs_to_halves(rope)], dim=1).view_as(tensor)
+        if name.endswith("self_attn.kv_a_proj_with_mqa.weight"):
+            latent, rope = tensor.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim])
+            return torch.cat([latent, _pairs_to_halves(rope)])
+        return tensor
+
+    def after_load(self):
+        for layer in self.layers:
+            if layer.self_attn.use_mla:
+                layer.self_attn.absorb_kv_b_proj()
+
+
+def _pairs_to_halves(rows):
+    """Rope rows [..., d, in] ordered (x0, x1), (x2, x3), ... -> x0, x2, ..., then x1, x3, ...:
+    each rotated pair (2j, 2j+1) becomes (j, j + d/2), what rope.py rotates."""
+    return torch.cat([rows[..., 0::2, :], rows[..., 1::2, :]], dim=-2)
+
+
+def build_deepseek_v2(cfg: ModelConfig, use_mla: bool) -> CausalLM:
+    rotary = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+    layers = []
+    for i in range(cfg.num_layers):
+        mlp = MoE(cfg) if cfg.is_moe_layer(i) else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        layers.append(DecoderLayer(cfg, MLAttention(cfg, i, rotary, use_mla), mlp))
+    return DeepseekV2(cfg, layers)

@@ -1,0 +1,169 @@
+"""The tokenizer: text to token ids on the way in, ids to printable text on the way out.
+
+A model folder from Hugging Face carries its tokenizer as `tokenizer.json`, a complete description
+(normalizer, pre-tokenizer, BPE vocabulary and merges, post-processor, decoder) that the Rust
+`tokenizers` library runs as is. Around it `tokenizer_config.json` adds what the engine must know:
+which tokens are BOS and EOS, whether a prompt starts with BOS, and the chat template.
+
+Two places need care:
+- The prompt. An instruct model was trained on conversations laid out by its chat template, a
+  Jinja program; we render it the way HF transformers does (a sandboxed Jinja environment with the
+  same options and helpers), so the model sees exactly what it saw in training. The template
+  writes any BOS itself, so the rendered text is encoded without adding special tokens again.
+  Without a template, BOS follows `add_bos_token`: Llama-3's tokenizer.json adds BOS in its
+  post-processor, SmolLM2's adds nothing and its config says not to.
+- The output. Tokens arrive one at a time and must be printed as they come, but one token is not
+  one piece of text: a character's UTF-8 bytes can be split across tokens (emoji, CJK), and some
+  decoders change how a token reads depending on its neighbours (a SentencePiece "▁" is dropped at
+  the start of a text). `StreamDecoder` therefore decodes a short window of recent tokens twice,
+  with and without the newest ones, prints the difference, and holds text back while it still ends
+  in a half-finished character.
+"""
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+REPLACEMENT_CHAR = "\ufffd"  # what a decoder writes for bytes that are not (yet) a whole character
+
+
+class TokenizerError(ValueError):
+    """A model folder whose tokenizer we cannot use; the message is shown to the user as is."""
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path):
+        model_dir = Path(model_dir)
+        tokenizer_file = model_dir / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise TokenizerError(f"{model_dir}: no tokenizer.json (nano needs a Hugging Face fast tokenizer)")
+        try:
+            self._tokenizer = HFTokenizer.from_file(str(tokenizer_file))
+        except Exception as e:  # the Rust library raises a bare Exception for a malformed file
+            raise TokenizerError(f"{tokenizer_file}: cannot be read ({e})") from None
+        config = _read_json(model_dir / "tokenizer_config.json")
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.bos_token_id = self._tokenizer.token_to_id(self.bos_token) if self.bos_token else None
+        # None: the config does not say, and tokenizer.json's post-processor decides alone.
+        self.add_bos_token = config.get("add_bos_token")
+        self.eos_token_ids = self._eos_token_ids(model_dir)
+        self._chat_template = self._compile_chat_template(model_dir, config)
+
+    def _eos_token_ids(self, model_dir: Path) -> list[int]:
+        # Instruct models often stop on more than the tokenizer's EOS (Llama-3.1: <|eot_id|> and
+        # <|eom_id|> too); generation_config.json lists them all.
+        ids = []
+        if self.eos_token and (eos_id := self._tokenizer.token_to_id(self.eos_token)) is not None:
+            ids.append(eos_id)
+        generation_eos = _read_json(model_dir / "generation_config.json").get("eos_token_id")
+        for eos_id in [generation_eos] if isinstance(generation_eos, int) else generation_eos or []:
+            if eos_id not in ids:
+                ids.append(eos_id)
+        return ids
+
+    def _compile_chat_template(self, model_dir: Path, config: dict) -> jinja2.Template | None:
+        # Newer HF folders keep the template in its own file; older ones in tokenizer_config.json.
+        template_file = model_dir / "chat_template.jinja"
+        source = template_file.read_text() if template_file.is_file() else config.get("chat_template")
+        if source is None:
+            return None
+        if not isinstance(source, str):
+            raise TokenizerError(f"{model_dir}: chat_template is not a single template string")
+        # The same environment as HF transformers' apply_chat_template: templates come from the
+        # internet, hence the sandbox; trim/lstrip_blocks decide the exact whitespace.
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            return env.from_string(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise TokenizerError(f"{model_dir}: chat template does not parse ({e})") from None
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._chat_template is not None
+
+    def apply_chat_template(self, prompt: str) -> str:
+        """The prompt as one user turn, followed by the header that asks the assistant to answer."""
+        return self._chat_template.render(
+            messages=[{"role": "user", "content": prompt}],
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            add_generation_prompt=True,
+            # HF passes these as None when unused, and templates test `tools is not none`.
+            tools=None,
+            documents=None,
+        )
+
+    def encode_prompt(self, prompt: str, use_chat_template: bool) -> list[int]:
+        if use_chat_template and self.has_chat_template:
+            # The rendered text already holds every special token the model should see.
+            return self._tokenizer.encode(self.apply_chat_template(prompt), add_special_tokens=False).ids
+        if self.add_bos_token is False:
+            return self._tokenizer.encode(prompt, add_special_tokens=False).ids
+        ids = self._tokenizer.encode(prompt).ids  # the post-processor adds what it adds (Llama-3: BOS)
+        if self.add_bos_token and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+class StreamDecoder:
+    """Turns a stream of token ids into a stream of text pieces that join up to the full decode.
+
+    `prefix_offset:read_offset` is a window of tokens already printed, kept as context so that the
+    new tokens decode as they would inside the whole text; `read_offset:` are the tokens not yet
+    printed. Give the prompt's ids as context so the first generated token reads right too.
+    """
+
+    CONTEXT_TOKENS = 5  # how many printed tokens to re-decode as context: enough for any decoder we know
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = ()):
+        self._tokenizer = tokenizer
+        self._ids = list(prompt_ids[-self.CONTEXT_TOKENS :])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text it completes ("" while a character is still unfinished)."""
+        self._ids.append(token_id)
+        printed = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
+        text = self._tokenizer.decode(self._ids[self._prefix_offset :])
+        if len(text) <= len(printed) or text.endswith(REPLACEMENT_CHAR):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return text[len(printed) :]
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TokenizerError(f"{path}: malformed JSON ({e})") from None
+
+
+def _token_text(token) -> str | None:
+    # tokenizer_config.json writes a special token as its text or as an AddedToken dict.
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # Jinja's own tojson escapes HTML characters, which would change the prompt.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_exception(message: str):
+    raise jinja2.exceptions.TemplateError(message)

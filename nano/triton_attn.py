@@ -1,0 +1,352 @@
+"""The Triton attention backend: extend (prefill) attention and split-KV ("flash decoding") decode.
+
+Attention in an inference engine is not the square, fixed-length attention of training. Each layer
+sees a batch of requests of different lengths whose keys and values sit scattered in a pool of
+token slots (kv_cache.py); a request finds its own through `req_to_token[row, position]`. Two
+kinds of pass need two kinds of kernel:
+
+- Extend (prefill): a request brings `extend_len` new tokens after `prefix_len` tokens already
+  cached. Its queries are many, so the work is matrix multiplication: one program takes a block
+  of one request's queries for one head and streams keys past them in tiles, first the cached
+  prefix (every new token may see all of it, no mask), then the new tokens (causal mask). An
+  "online softmax" keeps a running max `m`, running sum `l` and unnormalised output `acc` per
+  query, rescaling them when the max grows, so the scores never need to exist all at once.
+
+- Decode: each request brings one query per head and reads its whole history. That is pure memory
+  traffic (every cached byte read once, two flops per byte), so the only goal is to keep every
+  streaming multiprocessor busy pulling bytes. A batch of 1 request with 8 KV heads gives only 8
+  programs if each reads a whole request: far too few for a GPU with 132 multiprocessors. Flash
+  decoding splits each request's tokens into `num_kv_splits` contiguous chunks, runs one program
+  per chunk (stage 1), each writing a partial output and the log-sum-exp (LSE) of its scores, and
+  merges the chunks in a second small kernel (stage 2): with M = max_s lse_s,
+      out = sum_s e^(lse_s - M) o_s / sum_s e^(lse_s - M),
+  which is exact, because a split's softmax weights times e^lse_s are its share of the full sum.
+  Stage 1 serves all query heads that share a KV head in one program (grouped-query attention,
+  and MLA where 16 heads share one 576-wide latent head): each KV tile is loaded once and used
+  by a `tl.dot` of [heads, dim] x [dim, tokens], padded to 16 rows since tensor cores need it.
+
+Decode also runs inside a CUDA graph (cuda_graph_runner.py), which replays a fixed sequence of
+kernel launches with fixed arguments. So the decode path never asks the host about tensor
+values: the grid is (batch, head blocks, MAX_SPLITS), programs whose split is empty exit at
+once, the split counts are computed on the device from `seq_lens`, and the buffers for partial
+results are allocated once at the largest batch size and sliced.
+
+Keys may be wider than values and carry a separate rope part (DeepSeek: 192 = 128 + 64 keys with
+128-wide values; MLA: 576 = 512 + 64 with values = the first 512 channels of the same row). The
+kernels split the score dot into a power-of-two main part and the rest, so no lane is wasted on
+padding 192 to 256 or 576 to 1024. Softmax runs in base 2 (`tl.exp2` is one instruction):
+log2(e) is folded into the scale, and the stored LSE is in base 2 too.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from nano.forward_batch import ForwardBatch
+from nano.kv_cache import KVPool
+
+# The most chunks one request's tokens are split into: the size of the partial-result buffers.
+MAX_KV_SPLITS = 16
+# A split shorter than this costs more in writing and merging its partial output than it gains.
+MIN_TOKENS_PER_SPLIT = 128
+# Decode stage 1 aims for this many programs per multiprocessor, so that memory latency of one
+# program hides behind the loads of another.
+PROGRAMS_PER_SM = 2
+# One program of decode stage 1 serves all query heads of a KV head, padded to one 16-row tile.
+MAX_GROUP = 16
+LOG2E = 1.4426950408889634
+
+
+class TritonAttnBackend:
+    def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor, max_batch_size: int, num_heads: int,
+                 max_kv_splits: int = MAX_KV_SPLITS):
+        self.kv_pool, self.req_to_token = kv_pool, req_to_token
+        self.num_heads, self.max_kv_splits = num_heads, max_kv_splits
+        assert max_kv_splits == triton.next_power_of_2(max_kv_splits), "the merge loads all splits as one block"
+        _, self.num_kv_heads, self.k_dim = kv_pool.k_buffers[0].shape
+        self.v_dim = kv_pool.v_buffers[0].shape[-1]
+        self.group = num_heads // self.num_kv_heads  # query heads per KV head
+        assert self.group * self.num_kv_heads == num_heads and self.group <= MAX_GROUP
+
+        device = req_to_token.device
+        if device.type == "cuda":
+            num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        else:  # the interpreter: behave as on an H200, so CPU tests split like the GPU does
+            num_sms = 132
+        self.target_programs = PROGRAMS_PER_SM * num_sms
+        # Decode buffers, allocated once at their largest and sliced per batch (CUDA-graph safe).
+        self.num_kv_splits = torch.ones(max_batch_size, dtype=torch.int32, device=device)
+        f32 = dict(dtype=torch.float32, device=device)
+        self.partial_out = torch.empty(max_batch_size, num_heads, max_kv_splits, self.v_dim, **f32)
+        self.partial_lse = torch.empty(max_batch_size, num_heads, max_kv_splits, **f32)
+        self.max_extend_len = 0  # host int: the extend grid needs it
+
+    def init_forward_metadata(self, batch: ForwardBatch):
+        """Decode: split counts per request, on the device. Extend: the longest extend, on the host."""
+        if not batch.is_decode:
+            self.max_extend_len = max(batch.extend_lens_cpu)
+            return
+        bs = batch.seq_lens.shape[0]
+        # Splits are worth it while the batch alone does not fill the GPU; this cap depends only
+        # on the batch size, so a captured graph stays valid. Within it, a request gets one split
+        # per MIN_TOKENS_PER_SPLIT tokens: short requests are not chopped into slivers.
+        cap = max(1, min(self.max_kv_splits, triton.cdiv(self.target_programs, bs * self.num_kv_heads)))
+        wanted = torch.div(batch.seq_lens + (MIN_TOKENS_PER_SPLIT - 1), MIN_TOKENS_PER_SPLIT, rounding_mode="floor")
+        torch.clamp(wanted, 1, cap, out=self.num_kv_splits[:bs])
+
+    def forward(self, q, k, v, layer_id: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
+        """q [T, H, k_dim], k [T, Hkv, k_dim], v [T, Hkv, v_dim] (None for MLA) -> [T, H, v_dim]."""
+        self.kv_pool.store(layer_id, batch.out_cache_loc, k, v)
+        k_cache, v_cache = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
+        out = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
+        for t in (q, k, k_cache, v_cache, out):
+            assert t.stride(-1) == 1, "kernels assume the channel dimension is contiguous"
+        if batch.is_decode:
+            self._decode(q, k_cache, v_cache, out, batch, scale)
+        else:
+            if v is None:  # MLA: like the cached value, the new value is the first v_dim channels of k
+                v = k[..., : self.v_dim]
+            self._extend(q, k, v, k_cache, v_cache, out, batch, scale)
+        return out
+
+    def _extend(self, q, k, v, k_cache, v_cache, out, batch: ForwardBatch, scale: float):
+        block_m, block_n, num_warps, num_stages = _extend_config(self.k_dim)
+        grid = (batch.seq_lens.shape[0], self.num_heads, triton.cdiv(self.max_extend_len, block_m))
+        _extend_kernel[grid](
+            q, k, v, k_cache, v_cache, out,
+            self.req_to_token, batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, batch.extend_start_loc,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            out.stride(0), out.stride(1), self.req_to_token.stride(0),
+            scale * LOG2E,
+            GROUP=self.group, BLOCK_M=block_m, BLOCK_N=block_n,
+            **_head_dim_blocks(self.k_dim, self.v_dim),
+            num_warps=num_warps, num_stages=num_stages,
+        )
+
+    def _decode(self, q, k_cache, v_cache, out, batch: ForwardBatch, scale: float):
+        bs = q.shape[0]
+        dims = _head_dim_blocks(self.k_dim, self.v_dim)
+        # 32-token tiles for the 576-wide MLA rows keep a tile (and its prefetched successor) in
+        # shared memory; narrower heads take 64 tokens a tile.
+        block_n = 64 if self.k_dim <= 256 else 32
+        _decode_split_kernel[(bs, self.num_kv_heads, self.max_kv_splits)](
+            q, k_cache, v_cache, self.partial_out, self.partial_lse,
+            self.req_to_token, batch.req_pool_indices, batch.seq_lens, self.num_kv_splits,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            *self.partial_out.stride()[:3], *self.partial_lse.stride()[:2], self.req_to_token.stride(0),
+            scale * LOG2E,
+            GROUP=self.group, BLOCK_H=max(16, triton.next_power_of_2(self.group)), BLOCK_N=block_n,
+            **dims,
+            num_warps=4, num_stages=2,
+        )
+        _decode_merge_kernel[(bs, self.num_heads)](
+            self.partial_out, self.partial_lse, batch.seq_lens, self.num_kv_splits, out,
+            *self.partial_out.stride()[:3], *self.partial_lse.stride()[:2], out.stride(0), out.stride(1),
+            V_DIM=self.v_dim, BLOCK_DV=dims["BLOCK_DV"], MAX_SPLITS=self.max_kv_splits,
+            num_warps=4,
+        )
+
+
+def _head_dim_blocks(k_dim: int, v_dim: int) -> dict:
+    """Key width = a power-of-two main part (128 of 192, 512 of 576) + a rope rest, padded to 16+."""
+    k_main = 1 << (k_dim.bit_length() - 1)
+    k_rope = k_dim - k_main
+    return dict(
+        K_MAIN=k_main, K_ROPE=k_rope, BLOCK_DR=max(16, triton.next_power_of_2(k_rope)) if k_rope else 0,
+        V_DIM=v_dim, BLOCK_DV=triton.next_power_of_2(v_dim),
+    )
+
+
+def _extend_config(k_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the extend kernel on a Hopper GPU."""
+    if k_dim <= 128:
+        return 128, 64, 4 if k_dim <= 64 else 8, 3
+    if k_dim <= 256:
+        return 64, 64, 8, 2
+    return 32, 32, 8, 2  # MLA's 576-wide keys: a [32, 512] fp32 accumulator is already large
+
+
+# ---- shared pieces: loading queries, online softmax over a tile / over cached positions, splits ----
+
+
+@triton.jit
+def _load_queries(q_rows, row_mask, K_MAIN: tl.constexpr, K_ROPE: tl.constexpr, BLOCK_DR: tl.constexpr):
+    """Queries at pointers q_rows [R] -> main part [R, K_MAIN] and rope part [R, BLOCK_DR]."""
+    d = tl.arange(0, K_MAIN)
+    q = tl.load(q_rows[:, None] + d[None, :], mask=row_mask[:, None], other=0.0)
+    q_rope = q  # unused when there is no rope part
+    if BLOCK_DR > 0:
+        dr = tl.arange(0, BLOCK_DR)
+        q_rope = tl.load(q_rows[:, None] + K_MAIN + dr[None, :], mask=row_mask[:, None] & (dr[None, :] < K_ROPE),
+                         other=0.0)
+    return q, q_rope
+
+
+@triton.jit
+def _attend_tile(acc, m, l, q, q_rope, k_base, v_base, k_rows, v_rows, key_mask, score_mask, scale_log2,
+                 K_MAIN: tl.constexpr, K_ROPE: tl.constexpr, BLOCK_DR: tl.constexpr,
+                 V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """One step of online softmax: fold the keys/values at offsets k_rows/v_rows [N] into the
+    running output acc [R, BLOCK_DV], max m [R] and sum l [R] of R queries (base-2 logits)."""
+    # Masked lanes load zeros, never whatever an out-of-range slot holds: a NaN there would
+    # survive multiplication by a zero probability.
+    d = tl.arange(0, K_MAIN)
+    k = tl.load(k_base + k_rows[None, :] + d[:, None], mask=key_mask[None, :], other=0.0)  # [K_MAIN, N]
+    scores = tl.dot(q, k)  # [R, N], fp32
+    if BLOCK_DR > 0:
+        dr = tl.arange(0, BLOCK_DR)
+        k_rope = tl.load(k_base + k_rows[None, :] + K_MAIN + dr[:, None],
+                         mask=key_mask[None, :] & (dr[:, None] < K_ROPE), other=0.0)  # [BLOCK_DR, N]
+        scores = tl.dot(q_rope, k_rope, scores)
+    scores = tl.where(score_mask, scores * scale_log2, float("-inf"))
+
+    # Every caller's first tile has a visible key for every row, so m is finite from then on.
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    rescale = tl.exp2(m - m_new)  # shrinks what was summed under the old, smaller max
+    p = tl.exp2(scores - m_new[:, None])
+    dv = tl.arange(0, BLOCK_DV)
+    v = tl.load(v_base + v_rows[:, None] + dv[None, :], mask=key_mask[:, None] & (dv[None, :] < V_DIM),
+                other=0.0)  # [N, BLOCK_DV]
+    acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
+    l = l * rescale + tl.sum(p, 1)
+    return acc, m_new, l
+
+
+@triton.jit
+def _attend_cached(acc, m, l, q, q_rope, token_slots, start, end, k_base, v_base, stride_ks, stride_vs, scale_log2,
+                   BLOCK_N: tl.constexpr, K_MAIN: tl.constexpr, K_ROPE: tl.constexpr, BLOCK_DR: tl.constexpr,
+                   V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Online softmax over a request's cached positions [start, end), all visible to every query:
+    token_slots points at the request's row of req_to_token, which names each position's slot."""
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        visible = pos < end
+        slots = tl.load(token_slots + pos, mask=visible, other=0).to(tl.int64)
+        acc, m, l = _attend_tile(acc, m, l, q, q_rope, k_base, v_base, slots * stride_ks, slots * stride_vs,
+                                 visible, visible[None, :], scale_log2, K_MAIN, K_ROPE, BLOCK_DR, V_DIM, BLOCK_DV)
+    return acc, m, l
+
+
+@triton.jit
+def _split_range(seq_len, num_splits, split):
+    """Token range [start, end) of split `split` of a request; empty when start >= end."""
+    split_len = tl.cdiv(seq_len, num_splits)
+    start = split * split_len
+    return start, tl.minimum(start + split_len, seq_len)
+
+
+# ---- extend ----
+
+
+@triton.jit
+def _extend_kernel(
+    q, k_new, v_new, k_cache, v_cache, out,
+    req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start_loc,
+    stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
+    stride_kcs, stride_kch, stride_vcs, stride_vch, stride_ot, stride_oh, stride_req,
+    scale_log2,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    K_MAIN: tl.constexpr, K_ROPE: tl.constexpr, BLOCK_DR: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """Grid (batch, heads, query blocks): BLOCK_M new tokens of one request attend for one head."""
+    b, h, m_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    extend_len = tl.load(extend_lens + b)
+    first = m_block * BLOCK_M
+    if first < extend_len:  # the grid is sized for the longest request; shorter ones stop early
+        prefix_len = tl.load(prefix_lens + b)
+        token_start = tl.load(extend_start_loc + b)
+        kv_head = h // GROUP
+        m_idx = first + tl.arange(0, BLOCK_M)  # index of each query among the request's new tokens
+        q_rows = q + (token_start + m_idx).to(tl.int64) * stride_qt + h * stride_qh
+        query, query_rope = _load_queries(q_rows, m_idx < extend_len, K_MAIN, K_ROPE, BLOCK_DR)
+
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l = tl.zeros([BLOCK_M], dtype=tl.float32)
+
+        # Phase 1: the cached prefix, gathered slot by slot; every new token sees all of it.
+        token_slots = req_to_token + tl.load(req_pool_indices + b).to(tl.int64) * stride_req
+        acc, m, l = _attend_cached(
+            acc, m, l, query, query_rope, token_slots, 0, prefix_len, k_cache + kv_head * stride_kch,
+            v_cache + kv_head * stride_vch, stride_kcs, stride_vcs, scale_log2,
+            BLOCK_N, K_MAIN, K_ROPE, BLOCK_DR, V_DIM, BLOCK_DV,
+        )
+
+        # Phase 2: the new tokens themselves, contiguous in k_new/v_new; query i sees keys 0..i,
+        # so keys past this block's last query are never loaded.
+        for n0 in range(0, tl.minimum(first + BLOCK_M, extend_len), BLOCK_N):
+            n_idx = n0 + tl.arange(0, BLOCK_N)
+            present = n_idx < extend_len
+            rows = (token_start + n_idx).to(tl.int64)
+            acc, m, l = _attend_tile(
+                acc, m, l, query, query_rope, k_new + kv_head * stride_knh, v_new + kv_head * stride_vnh,
+                rows * stride_knt, rows * stride_vnt, present, present[None, :] & (n_idx[None, :] <= m_idx[:, None]),
+                scale_log2, K_MAIN, K_ROPE, BLOCK_DR, V_DIM, BLOCK_DV,
+            )
+
+        dv = tl.arange(0, BLOCK_DV)
+        out_ptrs = out + (token_start + m_idx).to(tl.int64)[:, None] * stride_ot + h * stride_oh + dv[None, :]
+        tl.store(out_ptrs, (acc / l[:, None]).to(out.dtype.element_ty),
+                 mask=(m_idx < extend_len)[:, None] & (dv[None, :] < V_DIM))
+
+
+# ---- decode, stage 1: one program per (request, KV head, split) serves the KV head's query heads ----
+
+
+@triton.jit
+def _decode_split_kernel(
+    q, k_cache, v_cache, partial_out, partial_lse,
+    req_to_token, req_pool_indices, seq_lens, num_kv_splits,
+    stride_qb, stride_qh, stride_kcs, stride_kch, stride_vcs, stride_vch,
+    stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_req,
+    scale_log2,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    K_MAIN: tl.constexpr, K_ROPE: tl.constexpr, BLOCK_DR: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq_len = tl.load(seq_lens + b)
+    start, end = _split_range(seq_len, tl.load(num_kv_splits + b), split)
+    if start < end:  # splits past this request's count are empty: they write nothing
+        h_idx = tl.arange(0, BLOCK_H)
+        heads = kv_head * GROUP + h_idx  # [BLOCK_H]; rows past GROUP only pad the dot
+        real_head = h_idx < GROUP
+        query, query_rope = _load_queries(q + b * stride_qb + heads * stride_qh, real_head, K_MAIN, K_ROPE, BLOCK_DR)
+        token_slots = req_to_token + tl.load(req_pool_indices + b).to(tl.int64) * stride_req
+
+        acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+        m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc, m, l = _attend_cached(
+            acc, m, l, query, query_rope, token_slots, start, end, k_cache + kv_head * stride_kch,
+            v_cache + kv_head * stride_vch, stride_kcs, stride_vcs, scale_log2,
+            BLOCK_N, K_MAIN, K_ROPE, BLOCK_DR, V_DIM, BLOCK_DV,
+        )
+
+        dv = tl.arange(0, BLOCK_DV)
+        out_ptrs = partial_out + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos + dv[None, :]
+        tl.store(out_ptrs, acc / l[:, None], mask=real_head[:, None] & (dv[None, :] < V_DIM))
+        lse_ptrs = partial_lse + b * stride_plb + heads * stride_plh + split
+        tl.store(lse_ptrs, m + tl.log2(l), mask=real_head)
+
+
+# ---- decode, stage 2: one program per (request, query head) merges the splits ----
+
+
+@triton.jit
+def _decode_merge_kernel(
+    partial_out, partial_lse, seq_lens, num_kv_splits, out,
+    stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_ob, stride_oh,
+    V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, MAX_SPLITS: tl.constexpr,
+):
+    b, h = tl.program_id(0), tl.program_id(1)
+    splits = tl.arange(0, MAX_SPLITS)
+    start, end = _split_range(tl.load(seq_lens + b), tl.load(num_kv_splits + b), splits)
+    written = start < end  # only these splits' partial results exist
+    lse = tl.load(partial_lse + b * stride_plb + h * stride_plh + splits, mask=written, other=float("-inf"))
+    weight = tl.exp2(lse - tl.max(lse, 0))  # [MAX_SPLITS], 0 for unwritten splits
+    dv = tl.arange(0, BLOCK_DV)
+    partial = tl.load(partial_out + b * stride_pob + h * stride_poh + splits[:, None] * stride_pos + dv[None, :],
+                      mask=written[:, None] & (dv[None, :] < V_DIM), other=0.0)  # [MAX_SPLITS, BLOCK_DV]
+    merged = tl.sum(weight[:, None] * partial, 0) / tl.sum(weight, 0)
+    tl.store(out + b * stride_ob + h * stride_oh + dv, merged.to(out.dtype.element_ty), mask=dv < V_DIM)

@@ -1,0 +1,161 @@
+"""Fused per-token kernels: residual add + RMSNorm, SiLU-and-multiply, and rope, one launch each.
+
+Besides its matmuls and attention, a decoder layer does a few small things to each token on its
+own: two RMSNorms, two residual adds, the MLP's gate activation, and rope on q and k. Written in
+torch, each is several elementwise kernels (rope alone is about 19: a gather of cos/sin, casts,
+chunks, multiplies, adds, a cat, casts back), and each reads and writes the whole activation. At
+a large batch those bytes are small next to the matmuls. At decode batch 1 they are tiny, and
+what counts is the number of launches: every kernel costs about 2-3 us even replayed in a CUDA
+graph, while a whole Llama-3-8B layer should take about 110 us (its share of the 3.6 ms of weight
+reads). Here each op is one kernel, whose intermediates stay in registers.
+
+How each kernel splits the work:
+- rms_norm / fused_add_rms_norm: one program per token row. The whole row (hidden <= 8192) is
+  one block in registers, so the mean of squares is one `tl.sum`; wider rows get more warps, so
+  that each thread still loads a couple of 16-byte vectors. The residual add shares the launch:
+  the sum is stored as the new residual stream and normalised from registers.
+- apply_rope_: a grid of (token, 2): program 0 rotates all of the token's query heads, program 1
+  all its key heads, each as two [heads, d/2] tiles (the halves); the token's cos/sin row is
+  loaded once and broadcast over heads. It writes in place.
+- silu_and_mul: a grid of (token, block of columns) over the [T, I] output; a program reads its
+  columns of gate and the same columns of up, I elements further along the row.
+
+Arithmetic is in float32, rounded to the activation dtype where the HF reference rounds, so bf16
+results match torch's to the bit or nearly. The kernels take each tensor's row (token, head)
+strides and need only the last dimension contiguous: q and k may be views into the fused qkv
+output, and DeepSeek's norm and rope inputs are column slices of wider tensors.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+# silu_and_mul's columns per program: 8 per thread of 4 warps, one 16-byte load each in bf16.
+SILU_BLOCK = 1024
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
+                     x_row_stride, residual_row_stride, out_row_stride, new_residual_row_stride,
+                     hidden, eps, ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    in_row = cols < hidden
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=in_row, other=0.0).to(tl.float32)  # [BLOCK]
+    if ADD_RESIDUAL:
+        # The residual stream lives in the activation dtype: round the sum, then normalise that.
+        x += tl.load(residual_ptr + row * residual_row_stride + cols, mask=in_row, other=0.0).to(tl.float32)
+        x = x.to(new_residual_ptr.dtype.element_ty)
+        tl.store(new_residual_ptr + row * new_residual_row_stride + cols, x, mask=in_row)
+        x = x.to(tl.float32)
+    mean_square = tl.sum(x * x, axis=0) / hidden
+    # HF order: normalise in float32, round to the activation dtype, then multiply by the weight.
+    normed = (x * tl.rsqrt(mean_square + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    weight = tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * out_row_stride + cols, (weight * normed).to(out_ptr.dtype.element_ty), mask=in_row)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual [T, hidden] -> (rms_norm(x + residual) * weight, x + residual), in x's dtype.
+
+    With residual None (the first layer: nothing to add yet) -> (rms_norm(x) * weight, x)."""
+    num_tokens, hidden = x.shape
+    assert x.stride(-1) == 1 and weight.shape == (hidden,) and weight.is_contiguous()
+    out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)  # [T, hidden]
+    add_residual = residual is not None
+    if not add_residual:
+        residual = new_residual = x  # the kernel reads and writes neither
+    else:
+        assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1
+        new_residual = torch.empty_like(out)  # [T, hidden]
+    block = triton.next_power_of_2(hidden)
+    _rms_norm_kernel[(num_tokens,)](
+        x, residual, weight, out, new_residual,
+        x.stride(0), residual.stride(0), out.stride(0), new_residual.stride(0),
+        hidden, eps, ADD_RESIDUAL=add_residual, BLOCK=block,
+        num_warps=min(max(block // 512, 1), 16),
+    )
+    return out, new_residual
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, hidden] -> rms_norm(x) * weight, in x's dtype."""
+    return fused_add_rms_norm(x, None, weight, eps)[0]
+
+
+@triton.jit
+def _rotate_heads(x_ptr, head_stride, num_heads, cos, sin,
+                  HALF: tl.constexpr, HALF_BLOCK: tl.constexpr, HEADS_BLOCK: tl.constexpr):
+    """Rotate one token's heads in place; x_ptr points at its first head, cos/sin are [1, HALF_BLOCK]."""
+    heads = tl.arange(0, HEADS_BLOCK)[:, None]
+    dims = tl.arange(0, HALF_BLOCK)[None, :]
+    mask = (heads < num_heads) & (dims < HALF)
+    first_half = x_ptr + heads * head_stride + dims  # [HEADS_BLOCK, HALF_BLOCK] pointers
+    x1 = tl.load(first_half, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first_half + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.store(first_half, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(first_half + HALF, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, cos_sin_ptr, positions_ptr,
+                 q_token_stride, q_head_stride, k_token_stride, k_head_stride, cos_sin_stride,
+                 num_q_heads, num_k_heads,
+                 HALF: tl.constexpr, HALF_BLOCK: tl.constexpr, Q_HEADS_BLOCK: tl.constexpr,
+                 K_HEADS_BLOCK: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + token)
+    dims = tl.arange(0, HALF_BLOCK)
+    angles_row = cos_sin_ptr + position * cos_sin_stride
+    cos = tl.load(angles_row + dims, mask=dims < HALF, other=0.0)[None, :]  # [1, HALF_BLOCK]
+    sin = tl.load(angles_row + HALF + dims, mask=dims < HALF, other=0.0)[None, :]
+    if tl.program_id(1) == 0:
+        _rotate_heads(q_ptr + token * q_token_stride, q_head_stride, num_q_heads, cos, sin,
+                      HALF, HALF_BLOCK, Q_HEADS_BLOCK)
+    else:
+        _rotate_heads(k_ptr + token * k_token_stride, k_head_stride, num_k_heads, cos, sin,
+                      HALF, HALF_BLOCK, K_HEADS_BLOCK)
+
+
+def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor):
+    """Rotate q [T, H, d] and k [T, Hkv, d] in place by their tokens' positions [T] (rope.py's
+    rotate-halves convention). cos_sin [max_positions, d] float32 is RotaryEmbedding.cos_sin.
+    q and k may be strided views (last dimension contiguous), e.g. slices of a fused qkv output."""
+    num_tokens, num_q_heads, rot_dim = q.shape
+    assert k.shape[0] == positions.shape[0] == num_tokens and k.shape[2] == rot_dim == cos_sin.shape[1]
+    assert q.stride(2) == 1 and k.stride(2) == 1 and cos_sin.stride(1) == 1 and rot_dim % 2 == 0
+    half = rot_dim // 2
+    _rope_kernel[(num_tokens, 2)](
+        q, k, cos_sin, positions,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),
+        num_q_heads, k.shape[1],
+        HALF=half, HALF_BLOCK=triton.next_power_of_2(half),
+        Q_HEADS_BLOCK=triton.next_power_of_2(num_q_heads), K_HEADS_BLOCK=triton.next_power_of_2(k.shape[1]),
+        num_warps=4,
+    )
+
+
+@triton.jit
+def _silu_and_mul_kernel(gate_up_ptr, out_ptr, gate_up_row_stride, out_row_stride, intermediate,
+                         BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    in_row = cols < intermediate
+    gate_ptrs = gate_up_ptr + row * gate_up_row_stride + cols  # [BLOCK]
+    gate = tl.load(gate_ptrs, mask=in_row, other=0.0).to(tl.float32)
+    up = tl.load(gate_ptrs + intermediate, mask=in_row, other=0.0).to(tl.float32)
+    out = gate * tl.sigmoid(gate) * up  # silu(gate) * up
+    tl.store(out_ptr + row * out_row_stride + cols, out.to(out_ptr.dtype.element_ty), mask=in_row)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] (gate in the first I columns, up in the rest) -> silu(gate) * up [T, I]."""
+    num_tokens, width = gate_up.shape
+    assert gate_up.stride(-1) == 1 and width % 2 == 0
+    intermediate = width // 2
+    out = torch.empty((num_tokens, intermediate), dtype=gate_up.dtype, device=gate_up.device)  # [T, I]
+    grid = (num_tokens, triton.cdiv(intermediate, SILU_BLOCK))
+    _silu_and_mul_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), intermediate,
+                               BLOCK=SILU_BLOCK, num_warps=4)
+    return out

@@ -1,0 +1,108 @@
+"""nano's DeepSeek-V2 vs HF transformers' DeepseekV2ForCausalLM on tiny random models, float32 on CPU.
+
+Same pattern as test_llama_parity: a batch of prompts of different lengths (some past YaRN's
+original context of 32) goes through one prefill and several batched decode steps, with latent
+(MLA) attention and with K/V expanded per head; every step's logits must equal HF's full forward.
+The MoE's three forms are checked against HF's MoE block on their own."""
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from nano import deepseek  # noqa: E402
+from nano.config import parse_config  # noqa: E402
+from nano.engine import Engine  # noqa: E402
+from nano.sampling import SamplingParams  # noqa: E402
+from tests.test_llama_parity import assert_matches_hf, random_prompts, record_logits  # noqa: E402
+
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32,
+            mscale=0.707, mscale_all_dim=0.707, beta_fast=32, beta_slow=1)
+TINY = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_hidden_layers=3,
+            num_attention_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+            qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=3,
+            n_shared_experts=2, first_k_dense_replace=1, vocab_size=320, max_position_embeddings=128,
+            initializer_range=0.2, rope_parameters=YARN)
+VARIANTS = {
+    "lite": {},
+    "q-lora-scaled": dict(q_lora_rank=24, routed_scaling_factor=2.5),
+    "norm-topk": dict(norm_topk_prob=True, routed_scaling_factor=2.5),
+}
+
+
+def save_tiny_deepseek(path, variant: str, config_form: str = "v5", seed: int = 0):
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(**(TINY | VARIANTS[variant]))).eval()
+    model.save_pretrained(path)
+    if config_form == "v4":  # the hub checkpoints' form: rope_theta on top, rope_scaling keyed `type`
+        raw = json.loads((path / "config.json").read_text())
+        params = raw.pop("rope_parameters")
+        raw["rope_theta"] = params.pop("rope_theta")
+        raw["rope_scaling"] = {"type": params.pop("rope_type"), **params}
+        (path / "config.json").write_text(json.dumps(raw))
+    return model
+
+
+def renormalise_like_deepseek(monkeypatch):
+    """HF 5.24's router drops norm_topk_prob (no released V2 checkpoint sets it); DeepSeek's own
+    code renormalises the top-k weights instead of scaling them. Make HF do the same."""
+    router = transformers.models.deepseek_v2.modeling_deepseek_v2.DeepseekV2TopkRouter
+    hf_forward = router.forward
+
+    def forward(self, hidden_states):
+        logits, weights, ids = hf_forward(self, hidden_states)
+        weights = weights / self.routed_scaling_factor
+        return logits, weights / weights.sum(dim=-1, keepdim=True), ids
+
+    monkeypatch.setattr(router, "forward", forward)
+
+
+def run_and_compare(path, hf_model, monkeypatch, use_mla, lengths=(5, 17, 1, 40), new_tokens=6):
+    steps = record_logits(monkeypatch)
+    prompts = random_prompts(list(lengths), TINY["vocab_size"])
+    engine = Engine(path, max_total_tokens=256, use_mla=use_mla, log=False)
+    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+    assert all(len(o) == new_tokens for o in outputs)
+    assert_matches_hf(hf_model, prompts, outputs, steps)
+
+
+@pytest.mark.parametrize("use_mla", [True, False], ids=["mla", "expanded"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_prefill_and_decode_match_hf(tmp_path, monkeypatch, variant, use_mla):
+    hf_model = save_tiny_deepseek(tmp_path, variant)
+    if VARIANTS[variant].get("norm_topk_prob"):
+        renormalise_like_deepseek(monkeypatch)
+    run_and_compare(tmp_path, hf_model, monkeypatch, use_mla)
+
+
+def test_hub_config_form(tmp_path, monkeypatch):
+    hf_model = save_tiny_deepseek(tmp_path, "lite", config_form="v4")
+    assert json.loads((tmp_path / "config.json").read_text())["rope_scaling"]["type"] == "yarn"
+    run_and_compare(tmp_path, hf_model, monkeypatch, use_mla=True, lengths=(45, 2), new_tokens=4)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 300])
+def test_moe_forms_match_hf(num_tokens):
+    """The gathered, dense and grouped forms each equal HF's MoE block (whichever form the
+    engine picks for a given batch, the parity tests above only see one or two of them)."""
+    torch.manual_seed(0)
+    hf_cfg = transformers.DeepseekV2Config(**TINY, routed_scaling_factor=1.5)
+    hf_moe = transformers.models.deepseek_v2.modeling_deepseek_v2.DeepseekV2Moe(hf_cfg)
+    for p in hf_moe.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    moe = deepseek.MoE(parse_config(hf_cfg.to_dict() | {"architectures": ["DeepseekV2ForCausalLM"]}))
+    shared = hf_moe.shared_experts
+    with torch.no_grad():
+        moe.gate.weight.copy_(hf_moe.gate.weight)
+        moe.w13.copy_(hf_moe.experts.gate_up_proj)  # HF stacks its experts the same way
+        moe.w2.copy_(hf_moe.experts.down_proj)
+        moe.shared_experts.gate_up_proj.weight.copy_(torch.cat([shared.gate_proj.weight, shared.up_proj.weight]))
+        moe.shared_experts.down_proj.weight.copy_(shared.down_proj.weight)
+        x = torch.randn(num_tokens, TINY["hidden_size"])
+        expected = hf_moe(x[None])[0] - shared(x)
+        weights, ids = moe.route(x)
+        for form in (moe.gathered, moe.dense, moe.grouped):
+            torch.testing.assert_close(form(x, weights, ids), expected, atol=1e-5, rtol=1e-5, msg=form.__name__)
+        torch.testing.assert_close(moe(x), expected + shared(x), atol=1e-5, rtol=1e-5)

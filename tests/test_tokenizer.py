@@ -1,0 +1,104 @@
+"""nano's Tokenizer against HF transformers' AutoTokenizer, both reading the default model's folder."""
+
+import json
+import shutil
+
+import pytest
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import processors
+from transformers import AutoTokenizer
+
+from nano.tokenizer import REPLACEMENT_CHAR, StreamDecoder, Tokenizer, TokenizerError
+
+TEXTS = [
+    "Hello, world! The year 2024 had 366 days.",
+    "Crème brûlée, naïve façade, Ångström, São Paulo",
+    "Party time 🎉🥳 family 👩‍👩‍👧 flags 🇫🇷",
+    "def add(a, b):\n    return a + b  # {'k': [1, 2]}\n",
+    "北京是中国的首都。日本語も少し。",
+    "  leading spaces\tand\ttabs\n\n<|im_start|>inline special",
+]
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir):
+    return Tokenizer(smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(smollm2_dir):
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_matches_hf(tokenizer, hf_tokenizer, text):
+    assert tokenizer.encode_prompt(text, use_chat_template=False) == hf_tokenizer(text)["input_ids"]
+
+
+def test_chat_template_matches_hf(tokenizer, hf_tokenizer):
+    messages = [{"role": "user", "content": QUESTION}]
+    text = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert tokenizer.has_chat_template
+    assert tokenizer.apply_chat_template(QUESTION) == text
+    assert tokenizer.encode_prompt(QUESTION, use_chat_template=True) == ids
+
+
+def test_special_token_ids(tokenizer):
+    assert tokenizer.bos_token_id == 1
+    assert tokenizer.eos_token_ids == [2]
+    assert tokenizer.add_bos_token is False
+
+
+def test_decode_skips_special_tokens(tokenizer):
+    text = tokenizer.decode(tokenizer.encode_prompt(QUESTION, use_chat_template=True))
+    assert "<|im_start|>" not in text and "<|im_end|>" not in text
+    assert text.startswith("system\n") and text.endswith(f"user\n{QUESTION}\nassistant\n")
+
+
+def test_stream_decoder_joins_to_full_decode(tokenizer):
+    text = "Emoji 🎉🥳 then 中文, façade 👩‍👩‍👧 and 🇫🇷!"
+    ids = tokenizer.encode_prompt(text, use_chat_template=False)
+    # The test only means something if some character's bytes are split across tokens.
+    assert any(REPLACEMENT_CHAR in tokenizer.decode([token_id]) for token_id in ids)
+    decoder = StreamDecoder(tokenizer)
+    pieces = [decoder.push(token_id) for token_id in ids]
+    assert "".join(pieces) == tokenizer.decode(ids) == text
+    assert not any(REPLACEMENT_CHAR in piece for piece in pieces)
+
+
+def test_stream_decoder_after_a_chat_prompt(tokenizer):
+    prompt_ids = tokenizer.encode_prompt(QUESTION, use_chat_template=True)
+    answer_ids = tokenizer.encode_prompt("The capital of France is Paris 🇫🇷.", use_chat_template=False)
+    answer_ids += tokenizer.eos_token_ids
+    decoder = StreamDecoder(tokenizer, prompt_ids)
+    pieces = [decoder.push(token_id) for token_id in answer_ids]
+    assert "".join(pieces) == "The capital of France is Paris 🇫🇷."
+    assert pieces[-1] == ""  # EOS is special: it prints nothing
+
+
+def test_bos_added_once(smollm2_dir, tmp_path):
+    """add_bos_token: true adds BOS when tokenizer.json does not, and not again when its
+    post-processor already does (as Llama-3's does)."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_dir / name, tmp_path / name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["add_bos_token"] = True
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    plain = Tokenizer(tmp_path).encode_prompt("Hi there", use_chat_template=False)
+    assert plain[0] == 1 and plain[1] != 1
+
+    hf_json = HFTokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    adds_bos = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+    hf_json.post_processor = adds_bos
+    hf_json.save(str(tmp_path / "tokenizer.json"))
+    assert Tokenizer(tmp_path).encode_prompt("Hi there", use_chat_template=False) == plain
+    del config["add_bos_token"]  # unset: the post-processor alone decides
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert Tokenizer(tmp_path).encode_prompt("Hi there", use_chat_template=False) == plain
+
+
+def test_missing_tokenizer_json(tmp_path):
+    with pytest.raises(TokenizerError, match="no tokenizer.json"):
+        Tokenizer(tmp_path)

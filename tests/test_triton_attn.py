@@ -1,0 +1,294 @@
+"""The Triton attention kernels against the torch reference backend, on the same KV pool.
+
+Every test builds a pool of random K/V (slot 0, which no request owns, is filled with NaN, and so
+are table entries past a request's length, which point at slot 0), gives each request a random row
+of req_to_token and shuffled slots, and runs both backends on the same batch. The Triton backend's
+partial-result buffers and fresh allocations are poisoned with NaN first, so anything a kernel
+reads that it did not write, or fails to write, shows up. On CPU the kernels run in Triton's
+interpreter at small sizes in float32/float16; the GPU tests run at real sizes in bfloat16 and
+check that the decode path replays in a CUDA graph.
+"""
+
+import contextlib
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from nano.config import ModelConfig
+from nano.forward_batch import ForwardBatch
+from nano.kv_cache import KVPool
+from nano.torch_attn import TorchAttnBackend
+from nano.triton_attn import TritonAttnBackend
+
+LAYER = 1  # pools have two layers: the kernels must read the one they are given
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@dataclass(frozen=True)
+class Shape:
+    num_heads: int
+    num_kv_heads: int
+    k_dim: int
+    v_dim: int
+    mla: bool = False
+
+    def __str__(self):
+        return f"{self.num_heads}q{self.num_kv_heads}kv-{self.k_dim}x{self.v_dim}{'-mla' if self.mla else ''}"
+
+
+def model_config(shape: Shape) -> ModelConfig:
+    """A config whose KV pool has this shape: Llama for k_dim == v_dim, else DeepSeek-V2."""
+    deepseek = shape.k_dim != shape.v_dim
+    cfg = ModelConfig(
+        architecture="DeepseekV2ForCausalLM" if deepseek else "LlamaForCausalLM",
+        vocab_size=256, hidden_size=256, num_layers=2, num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads, head_dim=shape.k_dim, intermediate_size=512, rms_norm_eps=1e-6,
+        max_position_embeddings=65536, tie_word_embeddings=False, rope_theta=10000.0, rope_scaling=None,
+        bos_token_id=None,
+    )
+    if deepseek:  # DeepSeek caches every head (expanded) or one [latent | rope] row (MLA)
+        cfg.v_head_dim = shape.v_dim
+        cfg.kv_lora_rank, cfg.qk_rope_head_dim = shape.v_dim, shape.k_dim - shape.v_dim
+    return cfg
+
+
+@dataclass
+class Scene:
+    """A filled pool, a batch over it, and the new tokens' q/k/v."""
+    shape: Shape
+    pool: KVPool
+    req_to_token: torch.Tensor
+    batch: ForwardBatch
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor | None
+
+    @property
+    def scale(self) -> float:
+        return self.shape.k_dim ** -0.5
+
+    def reference(self) -> torch.Tensor:
+        ref = TorchAttnBackend(self.pool, self.req_to_token)
+        return ref.forward(self.q, self.k, self.v, LAYER, self.batch, self.scale)
+
+    def triton_backend(self, max_batch_size: int | None = None) -> TritonAttnBackend:
+        bs = self.batch.seq_lens.shape[0]
+        return TritonAttnBackend(self.pool, self.req_to_token, max_batch_size or bs, self.shape.num_heads)
+
+
+def build_scene(shape: Shape, dtype, device, prefix_lens: list[int], extend_lens: list[int], decode: bool,
+                seed: int = 0) -> Scene:
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
+    num_slots = 1 + sum(seq_lens) + 37  # the spare slots hold random K/V that no request owns
+    pool = KVPool(model_config(shape), num_slots, dtype, device, shape.mla)
+    for buf in pool.k_buffers + ([] if shape.mla else pool.v_buffers):
+        buf.normal_()
+        buf[0] = float("nan")  # slot 0 is reserved: reading it unmasked poisons the output
+
+    num_rows = len(seq_lens) + 5
+    req_to_token = torch.zeros(num_rows, max(seq_lens) + 9, dtype=torch.int32, device=device)
+    rows = rng.sample(range(num_rows), len(seq_lens))
+    slots = (torch.randperm(num_slots - 1, device=device) + 1).to(torch.int32)  # never slot 0
+    new_slots, used = [], 0
+    for row, prefix, seq_len in zip(rows, prefix_lens, seq_lens):
+        req_to_token[row, :seq_len] = slots[used : used + seq_len]
+        new_slots.append(req_to_token[row, prefix:seq_len])
+        used += seq_len
+    out_cache_loc = torch.cat(new_slots)
+
+    num_tokens = sum(extend_lens)
+    if decode:
+        batch = ForwardBatch.decode([0] * num_tokens, seq_lens, rows, out_cache_loc, device)
+    else:
+        batch = ForwardBatch.extend([0] * num_tokens, prefix_lens, extend_lens, rows, out_cache_loc, device)
+
+    def rand(heads, dim):
+        return torch.randn(num_tokens, heads, dim, dtype=dtype, device=device)
+
+    v = None if shape.mla else rand(shape.num_kv_heads, shape.v_dim)
+    return Scene(shape, pool, req_to_token, batch, rand(shape.num_heads, shape.k_dim),
+                 rand(shape.num_kv_heads, shape.k_dim), v)
+
+
+@contextlib.contextmanager
+def nan_allocations():
+    """Fresh torch.empty tensors come filled with NaN (torch does this in deterministic mode)."""
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def run_triton(scene: Scene, backend: TritonAttnBackend) -> torch.Tensor:
+    backend.partial_out.fill_(float("nan"))
+    backend.partial_lse.fill_(float("nan"))
+    # (on CPU, switching deterministic mode on costs seconds of imports; fresh CPU pages are zeros)
+    with nan_allocations() if scene.q.is_cuda else contextlib.nullcontext():
+        backend.init_forward_metadata(scene.batch)
+        return backend.forward(scene.q, scene.k, scene.v, LAYER, scene.batch, scene.scale)
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor, tol: float):
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert not out.isnan().any(), "the kernel left or produced NaN"
+    err = (out.float() - ref.float()).abs().max().item()
+    size = ref.float().abs().max().item()
+    assert err <= tol * size, f"max abs error {err:.3g} vs max |ref| {size:.3g}: relative {err / size:.3g} > {tol}"
+
+
+def check(shape, dtype, device, prefix_lens, extend_lens, decode, seed=0, max_batch_size=None) -> Scene:
+    scene = build_scene(shape, dtype, device, prefix_lens, extend_lens, decode, seed)
+    out = run_triton(scene, scene.triton_backend(max_batch_size))
+    assert_matches(out, scene.reference(), TOLERANCE[dtype])
+    return scene
+
+
+def random_lens(rng: random.Random, n: int, low: int, high: int) -> list[int]:
+    return [rng.randint(low, high) for _ in range(n)]
+
+
+# ---------------------------------------------------------------- CPU (interpreter), small sizes
+
+# GQA ratios 1, 3, 4 and 8, head dims 64/128, DeepSeek's 192-wide keys with 128-wide values, and
+# MLA: 16 heads on one 576-wide latent row whose first 512 channels are the value. The interpreter
+# pays per operation, so sizes are small and each shape runs one kernel in float32 and the other
+# in float16.
+CPU_SHAPES = [
+    Shape(2, 2, 64, 64), Shape(6, 2, 64, 64), Shape(8, 2, 128, 128), Shape(8, 1, 64, 64),
+    Shape(2, 2, 192, 128), Shape(16, 1, 576, 512, mla=True),
+]
+EXTEND_DTYPES = [torch.float16, torch.float32] * 3
+EXTEND_CASES = list(zip(CPU_SHAPES, EXTEND_DTYPES))
+DECODE_CASES = list(zip(CPU_SHAPES, reversed(EXTEND_DTYPES)))
+
+
+@pytest.mark.parametrize("shape, dtype", EXTEND_CASES, ids=str)
+def test_extend(shape, dtype):
+    # A prefix longer than a key tile, a request without prefix, a one-token extend.
+    check(shape, dtype, "cpu", prefix_lens=[40, 0, 5], extend_lens=[30, 9, 1], decode=False)
+
+
+@pytest.mark.parametrize("shape, dtype", [(Shape(2, 2, 64, 64), torch.float32), (Shape(2, 2, 192, 128), torch.float16)],
+                         ids=str)
+def test_extend_across_query_blocks(shape, dtype):
+    check(shape, dtype, "cpu", prefix_lens=[0, 70], extend_lens=[140, 150], decode=False, seed=1)
+
+
+@pytest.mark.parametrize("shape, dtype", DECODE_CASES, ids=str)
+def test_decode(shape, dtype):
+    # 5, 1 and 2 splits; the backend is sized for a larger batch than this one.
+    seq_lens = [600, 1, 129]
+    check(shape, dtype, "cpu", [n - 1 for n in seq_lens], [1] * len(seq_lens), decode=True, max_batch_size=8)
+
+
+def test_decode_with_most_splits():
+    check(Shape(8, 1, 64, 64), torch.float32, "cpu", [2099], [1], decode=True, seed=2)
+
+
+def test_num_kv_splits_grow_with_length_and_shrink_with_batch():
+    shape = Shape(32, 8, 128, 128)
+    seq_lens = [1, 128, 129, 1000, 5000]
+    scene = build_scene(shape, torch.float16, "cpu", [n - 1 for n in seq_lens], [1] * 5, decode=True)
+    backend = scene.triton_backend(max_batch_size=256)
+    backend.init_forward_metadata(scene.batch)
+    assert backend.num_kv_splits[:5].tolist() == [1, 1, 2, 7, 7]  # capped at 264 SM-programs / (5 * 8)
+
+    many = ForwardBatch.decode([0] * 256, [5000] * 256, [0] * 256, torch.zeros(256, dtype=torch.int32), "cpu")
+    backend.init_forward_metadata(many)
+    assert backend.num_kv_splits.tolist() == [1] * 256  # 256 * 8 programs already fill the GPU
+
+
+# ---------------------------------------------------------------- GPU, real sizes, bfloat16
+
+GPU_SHAPES = [
+    Shape(32, 32, 128, 128), Shape(9, 3, 64, 64), Shape(32, 8, 128, 128), Shape(32, 4, 128, 128),
+    Shape(16, 16, 192, 128), Shape(16, 1, 576, 512, mla=True),
+]
+LLAMA_3_8B, MLA = GPU_SHAPES[2], GPU_SHAPES[5]
+
+
+@gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
+def test_gpu_extend(shape):
+    rng = random.Random(7)
+    prefix_lens = [0] + random_lens(rng, 4, 1, 2048)
+    check(shape, torch.bfloat16, "cuda", prefix_lens, random_lens(rng, 5, 1, 2048), decode=False)
+
+
+@gpu
+@pytest.mark.parametrize("batch_size", [1, 13, 64])
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
+def test_gpu_decode(shape, batch_size):
+    seq_lens = random_lens(random.Random(batch_size), batch_size, 1, 4096)
+    check(shape, torch.bfloat16, "cuda", [n - 1 for n in seq_lens], [1] * batch_size, decode=True, max_batch_size=64)
+
+
+@gpu
+@pytest.mark.parametrize("shape", [LLAMA_3_8B, MLA], ids=str)
+def test_gpu_decode_long(shape):
+    seq_lens = [20000, 3, 17000]
+    check(shape, torch.bfloat16, "cuda", [n - 1 for n in seq_lens], [1] * 3, decode=True)
+
+
+@gpu
+@pytest.mark.parametrize("shape", [LLAMA_3_8B, MLA], ids=str)
+def test_gpu_decode_replays_in_cuda_graph(shape):
+    """Capture decode once, then replay it with other requests copied into the same tensors."""
+    bs, rounds = 8, 3
+    rng = random.Random(3)
+    seq_lens = random_lens(rng, bs * rounds, 1, 3000)
+    seq_lens[-1] = 9000  # the last round has a long request: more splits than at capture
+    scene = build_scene(shape, torch.bfloat16, "cuda", [n - 1 for n in seq_lens], [1] * len(seq_lens), decode=True)
+    full = scene.batch
+
+    def round_of(t: torch.Tensor | None, r: int):
+        return None if t is None else t[r * bs : (r + 1) * bs]
+
+    static = {name: round_of(t, 0).clone() for name, t in
+              [("q", scene.q), ("k", scene.k), ("v", scene.v), ("seq_lens", full.seq_lens),
+               ("rows", full.req_pool_indices), ("loc", full.out_cache_loc)] if t is not None}
+    zeros = torch.zeros(bs, dtype=torch.int64, device="cuda")
+    # seq_lens_cpu=None: the decode path must not read host copies, or replays would go stale.
+    batch = ForwardBatch(is_decode=True, input_ids=zeros, positions=zeros, out_cache_loc=static["loc"],
+                         req_pool_indices=static["rows"], seq_lens=static["seq_lens"], seq_lens_cpu=None)
+    backend = TritonAttnBackend(scene.pool, scene.req_to_token, max_batch_size=16, num_heads=shape.num_heads)
+
+    def step():
+        backend.init_forward_metadata(batch)
+        return backend.forward(static["q"], static["k"], static.get("v"), LAYER, batch, scene.scale)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = step()
+
+    for r in range(rounds):
+        for name, t in [("q", scene.q), ("k", scene.k), ("v", scene.v), ("seq_lens", full.seq_lens),
+                        ("rows", full.req_pool_indices), ("loc", full.out_cache_loc)]:
+            if t is not None:
+                static[name].copy_(round_of(t, r))
+        graph.replay()
+        replayed = graph_out.clone()
+        torch.cuda.set_sync_debug_mode("error")  # any host sync in the eager decode path raises
+        try:
+            eager = step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.equal(replayed, eager)
+
+        lens = seq_lens[r * bs : (r + 1) * bs]
+        part = Scene(shape, scene.pool, scene.req_to_token,
+                     ForwardBatch.decode([0] * bs, lens, full.req_pool_indices[r * bs : (r + 1) * bs].tolist(),
+                                         round_of(full.out_cache_loc, r), "cuda"),
+                     round_of(scene.q, r), round_of(scene.k, r), round_of(scene.v, r))
+        assert_matches(replayed, part.reference(), TOLERANCE[torch.bfloat16])

@@ -1,0 +1,156 @@
+"""The fused kernels of triton_ops.py against torch references.
+
+Inputs are random (never zeros, so a kernel that skips work cannot pass by luck), fresh outputs
+are filled with NaN before the kernel runs, and in-place rope is checked over the whole tensor it
+was carved out of, so a write outside its view shows up too. Without a GPU the kernels run in
+Triton's interpreter at small, odd sizes in float32 and float16; the GPU tests run at
+Llama-3-8B's sizes in bfloat16.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nano.rope import RotaryEmbedding
+from nano.triton_ops import apply_rope_, fused_add_rms_norm, rms_norm, silu_and_mul
+from tests.test_triton_attn import nan_allocations
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+DTYPES = [torch.float32, torch.float16]
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DEEPSEEK_YARN = {"rope_type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                 "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
+LLAMA_3_1_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192}
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor):
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert not out.isnan().any(), "the kernel left or produced NaN"
+    torch.testing.assert_close(out, ref, atol=TOLERANCE[ref.dtype], rtol=TOLERANCE[ref.dtype])
+
+
+def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF Llama's RMSNorm: normalise in float32, round to x's dtype, then multiply by the weight."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def reference_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(gate_up.dtype)
+
+
+def randn(*shape, dtype):
+    return torch.randn(*shape, dtype=dtype, device=DEVICE)
+
+
+def check_norms(num_tokens: int, hidden: int, dtype: torch.dtype, row_stride: int):
+    """x is a column slice of a wider tensor when row_stride > hidden (DeepSeek's latent)."""
+    x = randn(num_tokens, row_stride, dtype=dtype)[:, :hidden]  # [T, hidden], strided rows
+    residual = randn(num_tokens, hidden, dtype=dtype)
+    weight = 1 + 0.1 * randn(hidden, dtype=dtype)
+    eps = 1e-6
+    with nan_allocations():
+        normed, new_residual = fused_add_rms_norm(x, residual, weight, eps)
+        alone = rms_norm(x, weight, eps)
+        first_normed, first_residual = fused_add_rms_norm(x, None, weight, eps)
+    assert_close(new_residual, x + residual)
+    assert_close(normed, reference_rms_norm(x + residual, weight, eps))
+    assert_close(alone, reference_rms_norm(x, weight, eps))
+    assert first_residual is x
+    assert torch.equal(first_normed, alone)
+
+
+def check_silu_and_mul(num_tokens: int, intermediate: int, dtype: torch.dtype):
+    gate_up = 2 * randn(num_tokens, 2 * intermediate, dtype=dtype)  # [T, 2I]
+    with nan_allocations():
+        out = silu_and_mul(gate_up)
+    assert_close(out, reference_silu_and_mul(gate_up))
+
+
+def check_rope(rotary: RotaryEmbedding, buffers: tuple[torch.Tensor, ...], carve, positions: torch.Tensor):
+    """carve(*buffers) -> (q, k): views into the buffers. Rotates them in place; everything else in
+    the buffers must be left as it was."""
+    expected = tuple(b.clone() for b in buffers)
+    expected_q, expected_k = carve(*expected)
+    ref_q, ref_k = rotary(positions, *carve(*buffers))
+    expected_q.copy_(ref_q)
+    expected_k.copy_(ref_k)
+    apply_rope_(*carve(*buffers), rotary.cos_sin, positions)
+    for out, ref in zip(buffers, expected, strict=True):
+        assert_close(out, ref)
+
+
+def check_rope_fused_qkv(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                         scaling: dict | None):
+    """q and k are [T, heads, head_dim] views of a fused qkv output, as in LlamaAttention."""
+    max_positions = 4096
+    rotary = RotaryEmbedding(head_dim, max_positions, 500000.0, scaling).to(DEVICE)
+    sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+    qkv = randn(num_tokens, sum(sizes), dtype=dtype)  # [T, (H + 2 Hkv) D]
+
+    def carve(qkv):
+        q, k, _ = qkv.split(sizes, dim=-1)
+        return q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim)
+
+    positions = torch.randint(0, max_positions, (num_tokens,), device=DEVICE)
+    check_rope(rotary, (qkv,), carve, positions)
+
+
+# ---------------------------------------------------------------- small, odd sizes (CPU: interpreter)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hidden, row_stride", [(576, 576), (512, 576), (100, 100)])
+def test_norms(hidden, row_stride, dtype):
+    check_norms(5, hidden, dtype, row_stride)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("intermediate", [1536, 100])  # past one block of columns, and less than one
+def test_silu_and_mul(intermediate, dtype):
+    check_silu_and_mul(3, intermediate, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rope_on_fused_qkv(dtype):
+    check_rope_fused_qkv(5, num_heads=9, num_kv_heads=3, head_dim=64, dtype=dtype, scaling=None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rope_on_deepseek_slices(dtype):
+    """MLA rotates q_pe = q[..., 128:192] of every head and the one shared k_pe [T, 1, 64], the
+    last 64 columns of the kv_a projection [T, 576]."""
+    num_tokens, num_heads, nope, rope = 5, 16, 128, 64
+    rotary = RotaryEmbedding(rope, 8192, 10000.0, DEEPSEEK_YARN).to(DEVICE)
+    q = randn(num_tokens, num_heads, nope + rope, dtype=dtype)
+    kv_a = randn(num_tokens, 512 + rope, dtype=dtype)
+
+    def carve(q, kv_a):
+        return q[..., nope:], kv_a[:, 512:].unsqueeze(1)  # q_pe [T, H, 64], k_pe [T, 1, 64]
+
+    positions = torch.tensor([0, 8191, 7, 4096, 5000], device=DEVICE)
+    check_rope(rotary, (q, kv_a), carve, positions)
+
+
+# ---------------------------------------------------------------- GPU, Llama-3-8B sizes, bfloat16
+
+
+@gpu
+@pytest.mark.parametrize("num_tokens", [1, 7, 160])
+def test_gpu_norms(num_tokens):
+    check_norms(num_tokens, 4096, torch.bfloat16, row_stride=4096)
+
+
+@gpu
+@pytest.mark.parametrize("num_tokens", [1, 7, 160])
+def test_gpu_silu_and_mul(num_tokens):
+    check_silu_and_mul(num_tokens, 14336, torch.bfloat16)
+
+
+@gpu
+@pytest.mark.parametrize("num_tokens", [1, 7, 160])
+def test_gpu_rope(num_tokens):
+    check_rope_fused_qkv(num_tokens, 32, 8, 128, torch.bfloat16, LLAMA_3_1_SCALING)
