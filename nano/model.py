@@ -29,6 +29,7 @@ from torch import nn
 from nano.config import ModelConfig
 from nano.forward_batch import ForwardBatch
 from nano.rope import RotaryEmbedding
+from nano.triton_ops import rms_norm, silu_and_mul
 
 
 class WeightError(ValueError):
@@ -55,6 +56,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
+        if x.is_cuda:
+            return rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
@@ -67,7 +70,10 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(intermediate, hidden)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        if x.is_cuda:
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -17,6 +17,8 @@ import math
 
 import torch
 
+from nano.triton_ops import apply_rope_
+
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
@@ -72,11 +74,14 @@ class RotaryEmbedding(torch.nn.Module):
         cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1) * magnitude
         self.register_buffer("cos_sin", cos_sin, persistent=False)
 
-    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Rotate each x [T, H, rot_dim] by its token's position [T]."""
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Rotate q [T, H, rot_dim] and k [T, Hkv, rot_dim] by their token's position [T]."""
+        if q.is_cuda:  # one fused kernel, in place (triton_ops.py); the torch code below is its reference
+            apply_rope_(q, k, self.cos_sin, positions)
+            return q, k
         cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rot_dim/2] each
         out = []
-        for x in xs:
+        for x in (q, k):
             x1, x2 = x.float().chunk(2, dim=-1)
             rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
             out.append(rotated.to(x.dtype))
