@@ -67,6 +67,9 @@ class TritonAttnBackend:
         self.v_dim = kv_pool.v_buffers[0].shape[-1]
         self.group = num_heads // self.num_kv_heads  # query heads per KV head
         assert self.group * self.num_kv_heads == num_heads and self.group <= MAX_GROUP
+        # MLA: the value is the first v_dim channels of the key row; when that is the key's whole
+        # power-of-two main part, the kernels reuse the loaded key tile instead of loading it again.
+        self.v_in_k = kv_pool.use_mla and self.v_dim == _head_dim_blocks(self.k_dim, self.v_dim)["K_MAIN"]
 
         device = req_to_token.device
         if device.type == "cuda":
@@ -119,7 +122,7 @@ class TritonAttnBackend:
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             out.stride(0), out.stride(1), self.req_to_token.stride(0),
             scale * LOG2E,
-            GROUP=self.group, BLOCK_M=block_m, BLOCK_N=block_n,
+            GROUP=self.group, BLOCK_M=block_m, BLOCK_N=block_n, V_IN_K=self.v_in_k,
             **_head_dim_blocks(self.k_dim, self.v_dim),
             num_warps=num_warps, num_stages=num_stages,
         )
@@ -127,9 +130,7 @@ class TritonAttnBackend:
     def _decode(self, q, k_cache, v_cache, out, batch: ForwardBatch, scale: float):
         bs = q.shape[0]
         dims = _head_dim_blocks(self.k_dim, self.v_dim)
-        # 32-token tiles for the 576-wide MLA rows keep a tile (and its prefetched successor) in
-        # shared memory; narrower heads take 64 tokens a tile.
-        block_n = 64 if self.k_dim <= 256 else 32
+        block_n, num_warps, num_stages = _decode_config(self.k_dim)
         _decode_split_kernel[(bs, self.num_kv_heads, self.max_kv_splits)](
             q, k_cache, v_cache, self.partial_out, self.partial_lse,
             self.req_to_token, batch.req_pool_indices, batch.seq_lens, self.num_kv_splits,
@@ -137,8 +138,8 @@ class TritonAttnBackend:
             *self.partial_out.stride()[:3], *self.partial_lse.stride()[:2], self.req_to_token.stride(0),
             scale * LOG2E,
             GROUP=self.group, BLOCK_H=max(16, triton.next_power_of_2(self.group)), BLOCK_N=block_n,
-            **dims,
-            num_warps=4, num_stages=2,
+            V_IN_K=self.v_in_k, **dims,
+            num_warps=num_warps, num_stages=num_stages,
         )
         _decode_merge_kernel[(bs, self.num_heads)](
             self.partial_out, self.partial_lse, batch.seq_lens, self.num_kv_splits, out,
@@ -156,6 +157,13 @@ def _head_dim_blocks(k_dim: int, v_dim: int) -> dict:
         K_MAIN=k_main, K_ROPE=k_rope, BLOCK_DR=max(16, triton.next_power_of_2(k_rope)) if k_rope else 0,
         V_DIM=v_dim, BLOCK_DV=triton.next_power_of_2(v_dim),
     )
+
+
+def _decode_config(k_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for decode stage 1 on a Hopper GPU."""
+    # 32-token tiles for the 576-wide MLA rows keep a tile (and its prefetched successor) in
+    # shared memory; narrower heads take 64 tokens a tile.
+    return (64 if k_dim <= 256 else 32), 4, 2
 
 
 def _extend_config(k_dim: int) -> tuple[int, int, int, int]:
@@ -186,7 +194,7 @@ def _load_queries(q_rows, row_mask, K_MAIN: tl.constexpr, K_ROPE: tl.constexpr, 
 @triton.jit
 def _attend_tile(acc, m, l, q, q_rope, k_base, v_base, k_rows, v_rows, key_mask, score_mask, scale_log2,
                  K_MAIN: tl.constexpr, K_ROPE: tl.constexpr, BLOCK_DR: tl.constexpr,
-                 V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr):
+                 V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, V_IN_K: tl.constexpr):
     """One step of online softmax: fold the keys/values at offsets k_rows/v_rows [N] into the
     running output acc [R, BLOCK_DV], max m [R] and sum l [R] of R queries (base-2 logits)."""
     # Masked lanes load zeros, never whatever an out-of-range slot holds: a NaN there would
@@ -205,9 +213,12 @@ def _attend_tile(acc, m, l, q, q_rope, k_base, v_base, k_rows, v_rows, key_mask,
     m_new = tl.maximum(m, tl.max(scores, 1))
     rescale = tl.exp2(m - m_new)  # shrinks what was summed under the old, smaller max
     p = tl.exp2(scores - m_new[:, None])
-    dv = tl.arange(0, BLOCK_DV)
-    v = tl.load(v_base + v_rows[:, None] + dv[None, :], mask=key_mask[:, None] & (dv[None, :] < V_DIM),
-                other=0.0)  # [N, BLOCK_DV]
+    if V_IN_K:  # MLA: the value is the key's main part, already loaded
+        v = tl.trans(k)  # [N, K_MAIN]
+    else:
+        dv = tl.arange(0, BLOCK_DV)
+        v = tl.load(v_base + v_rows[:, None] + dv[None, :], mask=key_mask[:, None] & (dv[None, :] < V_DIM),
+                    other=0.0)  # [N, BLOCK_DV]
     acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
     l = l * rescale + tl.sum(p, 1)
     return acc, m_new, l
@@ -216,7 +227,7 @@ def _attend_tile(acc, m, l, q, q_rope, k_base, v_base, k_rows, v_rows, key_mask,
 @triton.jit
 def _attend_cached(acc, m, l, q, q_rope, token_slots, start, end, k_base, v_base, stride_ks, stride_vs, scale_log2,
                    BLOCK_N: tl.constexpr, K_MAIN: tl.constexpr, K_ROPE: tl.constexpr, BLOCK_DR: tl.constexpr,
-                   V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr):
+                   V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, V_IN_K: tl.constexpr):
     """Online softmax over a request's cached positions [start, end), all visible to every query:
     token_slots points at the request's row of req_to_token, which names each position's slot."""
     for n0 in range(start, end, BLOCK_N):
@@ -224,7 +235,8 @@ def _attend_cached(acc, m, l, q, q_rope, token_slots, start, end, k_base, v_base
         visible = pos < end
         slots = tl.load(token_slots + pos, mask=visible, other=0).to(tl.int64)
         acc, m, l = _attend_tile(acc, m, l, q, q_rope, k_base, v_base, slots * stride_ks, slots * stride_vs,
-                                 visible, visible[None, :], scale_log2, K_MAIN, K_ROPE, BLOCK_DR, V_DIM, BLOCK_DV)
+                                 visible, visible[None, :], scale_log2, K_MAIN, K_ROPE, BLOCK_DR, V_DIM, BLOCK_DV,
+                                 V_IN_K)
     return acc, m, l
 
 
@@ -248,6 +260,7 @@ def _extend_kernel(
     scale_log2,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     K_MAIN: tl.constexpr, K_ROPE: tl.constexpr, BLOCK_DR: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
+    V_IN_K: tl.constexpr,
 ):
     """Grid (batch, heads, query blocks): BLOCK_M new tokens of one request attend for one head."""
     b, h, m_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -270,7 +283,7 @@ def _extend_kernel(
         acc, m, l = _attend_cached(
             acc, m, l, query, query_rope, token_slots, 0, prefix_len, k_cache + kv_head * stride_kch,
             v_cache + kv_head * stride_vch, stride_kcs, stride_vcs, scale_log2,
-            BLOCK_N, K_MAIN, K_ROPE, BLOCK_DR, V_DIM, BLOCK_DV,
+            BLOCK_N, K_MAIN, K_ROPE, BLOCK_DR, V_DIM, BLOCK_DV, V_IN_K,
         )
 
         # Phase 2: the new tokens themselves, contiguous in k_new/v_new; query i sees keys 0..i,
@@ -282,7 +295,7 @@ def _extend_kernel(
             acc, m, l = _attend_tile(
                 acc, m, l, query, query_rope, k_new + kv_head * stride_knh, v_new + kv_head * stride_vnh,
                 rows * stride_knt, rows * stride_vnt, present, present[None, :] & (n_idx[None, :] <= m_idx[:, None]),
-                scale_log2, K_MAIN, K_ROPE, BLOCK_DR, V_DIM, BLOCK_DV,
+                scale_log2, K_MAIN, K_ROPE, BLOCK_DR, V_DIM, BLOCK_DV, V_IN_K,
             )
 
         dv = tl.arange(0, BLOCK_DV)
@@ -303,6 +316,7 @@ def _decode_split_kernel(
     scale_log2,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     K_MAIN: tl.constexpr, K_ROPE: tl.constexpr, BLOCK_DR: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
+    V_IN_K: tl.constexpr,
 ):
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens + b)
@@ -320,7 +334,7 @@ def _decode_split_kernel(
         acc, m, l = _attend_cached(
             acc, m, l, query, query_rope, token_slots, start, end, k_cache + kv_head * stride_kch,
             v_cache + kv_head * stride_vch, stride_kcs, stride_vcs, scale_log2,
-            BLOCK_N, K_MAIN, K_ROPE, BLOCK_DR, V_DIM, BLOCK_DV,
+            BLOCK_N, K_MAIN, K_ROPE, BLOCK_DR, V_DIM, BLOCK_DV, V_IN_K,
         )
 
         dv = tl.arange(0, BLOCK_DV)

