@@ -29,7 +29,7 @@ from torch import nn
 from nano.config import ModelConfig
 from nano.forward_batch import ForwardBatch
 from nano.rope import RotaryEmbedding
-from nano.triton_ops import rms_norm, silu_and_mul
+from nano.triton_ops import fused_add_rms_norm, rms_norm, silu_and_mul
 
 
 class WeightError(ValueError):
@@ -59,6 +59,14 @@ class RMSNorm(nn.Module):
         if x.is_cuda:
             return rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+    def add_and_norm(self, x, residual):
+        """The residual stream's step: residual += x, then normalise it -> (normed, residual).
+        residual None (the first layer): the stream starts at x."""
+        if x.is_cuda:  # one kernel for both (triton_ops.py)
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)
+        residual = x if residual is None else x + residual
+        return self.forward(residual), residual
 
 
 class SwiGLU(nn.Module):
@@ -106,9 +114,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = mlp
 
-    def forward(self, x, batch, attn):
-        x = x + self.self_attn(self.input_layernorm(x), batch, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, batch, attn):
+        """x: the previous block's output, not yet added to the residual stream."""
+        h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(h, batch, attn), residual)
+        return self.mlp(h), residual
 
 
 class CausalLM(nn.Module):
@@ -125,12 +135,13 @@ class CausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, attn) -> torch.Tensor:
         """-> logits [B, vocab] (float32) of each request's last token."""
         attn.init_forward_metadata(batch)
-        x = F.embedding(batch.input_ids, self.embed_tokens)  # [T, hidden]
+        x, residual = F.embedding(batch.input_ids, self.embed_tokens), None  # [T, hidden]
         for layer in self.layers:
-            x = layer(x, batch, attn)
+            x, residual = layer(x, residual, batch, attn)
         if not batch.is_decode:  # keep only each request's last token
-            x = x[batch.extend_start_loc + batch.extend_lens - 1]  # [B, hidden]
-        x = self.norm(x)
+            last = batch.extend_start_loc + batch.extend_lens - 1
+            x, residual = x[last], residual[last]  # [B, hidden]
+        x, _ = self.norm.add_and_norm(x, residual)
         head = self.embed_tokens if self.lm_head is None else self.lm_head.weight
         return F.linear(x, head).float()
 
