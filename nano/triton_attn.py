@@ -27,9 +27,11 @@ kinds of pass need two kinds of kernel:
 
 Decode also runs inside a CUDA graph (cuda_graph_runner.py), which replays a fixed sequence of
 kernel launches with fixed arguments. So the decode path never asks the host about tensor
-values: the grid is (batch, head blocks, MAX_SPLITS), programs whose split is empty exit at
+values: the grid is (batch, KV heads, MAX_SPLITS), programs whose split is empty exit at
 once, the split counts are computed on the device from `seq_lens`, and the buffers for partial
 results are allocated once at the largest batch size and sliced.
+
+Before either, one small kernel copies the new tokens' K/V into their pool slots (`out_cache_loc`).
 
 Keys may be wider than values and carry a separate rope part (DeepSeek: 192 = 128 + 64 keys with
 128-wide values; MLA: 576 = 512 + 64 with values = the first 512 channels of the same row). The
@@ -45,13 +47,16 @@ import triton.language as tl
 from nano.forward_batch import ForwardBatch
 from nano.kv_cache import KVPool
 
-# The most chunks one request's tokens are split into: the size of the partial-result buffers.
-MAX_KV_SPLITS = 16
-# A split shorter than this costs more in writing and merging its partial output than it gains.
-MIN_TOKENS_PER_SPLIT = 128
-# Decode stage 1 aims for this many programs per multiprocessor, so that memory latency of one
-# program hides behind the loads of another.
-PROGRAMS_PER_SM = 2
+# The most chunks one request's tokens are split into, and so the size of the partial-result
+# buffers: max_batch_size * heads * 64 * v_dim floats (Llama-3-8B at 160 requests: 168 MB; MLA:
+# 336 MB). On an H200, one request of 16k tokens ran 2.3x (MLA 3x) faster with 64 than with 16.
+MAX_KV_SPLITS = 64
+# A split that reads less than this (per KV head) costs more in writing and merging its partial
+# output than it gains: 128 tokens of Llama's K+V, 56 of MLA's 576-wide rows.
+MIN_BYTES_PER_SPLIT = 64 << 10
+# Decode stage 1 aims for this many programs per multiprocessor: one program streams its tokens
+# tile after dependent tile (slot, then K, then V), so many must be in flight to fill the memory bus.
+PROGRAMS_PER_SM = 8
 # One program of decode stage 1 serves all query heads of a KV head, padded to one 16-row tile.
 MAX_GROUP = 16
 LOG2E = 1.4426950408889634
@@ -67,9 +72,6 @@ class TritonAttnBackend:
         self.v_dim = kv_pool.v_buffers[0].shape[-1]
         self.group = num_heads // self.num_kv_heads  # query heads per KV head
         assert self.group * self.num_kv_heads == num_heads and self.group <= MAX_GROUP
-        # MLA: the value is the first v_dim channels of the key row; when that is the key's whole
-        # power-of-two main part, the kernels reuse the loaded key tile instead of loading it again.
-        self.v_in_k = kv_pool.use_mla and self.v_dim == _head_dim_blocks(self.k_dim, self.v_dim)["K_MAIN"]
 
         device = req_to_token.device
         if device.type == "cuda":
@@ -77,6 +79,8 @@ class TritonAttnBackend:
         else:  # the interpreter: behave as on an H200, so CPU tests split like the GPU does
             num_sms = 132
         self.target_programs = PROGRAMS_PER_SM * num_sms
+        token_bytes = (self.k_dim + (0 if kv_pool.use_mla else self.v_dim)) * kv_pool.k_buffers[0].element_size()
+        self.min_split_tokens = max(1, MIN_BYTES_PER_SPLIT // token_bytes)  # per KV head
         # Decode buffers, allocated once at their largest and sliced per batch (CUDA-graph safe).
         self.num_kv_splits = torch.ones(max_batch_size, dtype=torch.int32, device=device)
         f32 = dict(dtype=torch.float32, device=device)
@@ -92,18 +96,18 @@ class TritonAttnBackend:
         bs = batch.seq_lens.shape[0]
         # Splits are worth it while the batch alone does not fill the GPU; this cap depends only
         # on the batch size, so a captured graph stays valid. Within it, a request gets one split
-        # per MIN_TOKENS_PER_SPLIT tokens: short requests are not chopped into slivers.
+        # per min_split_tokens tokens: short requests are not chopped into slivers.
         cap = max(1, min(self.max_kv_splits, triton.cdiv(self.target_programs, bs * self.num_kv_heads)))
-        wanted = torch.div(batch.seq_lens + (MIN_TOKENS_PER_SPLIT - 1), MIN_TOKENS_PER_SPLIT, rounding_mode="floor")
+        wanted = torch.div(batch.seq_lens + (self.min_split_tokens - 1), self.min_split_tokens, rounding_mode="floor")
         torch.clamp(wanted, 1, cap, out=self.num_kv_splits[:bs])
 
     def forward(self, q, k, v, layer_id: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
         """q [T, H, k_dim], k [T, Hkv, k_dim], v [T, Hkv, v_dim] (None for MLA) -> [T, H, v_dim]."""
-        self.kv_pool.store(layer_id, batch.out_cache_loc, k, v)
         k_cache, v_cache = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
         out = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
-        for t in (q, k, k_cache, v_cache, out):
-            assert t.stride(-1) == 1, "kernels assume the channel dimension is contiguous"
+        for t in (q, k, v, k_cache, v_cache, out):
+            assert t is None or t.stride(-1) == 1, "kernels assume the channel dimension is contiguous"
+        self._store_kv(k, v, k_cache, v_cache, batch.out_cache_loc)
         if batch.is_decode:
             self._decode(q, k_cache, v_cache, out, batch, scale)
         else:
@@ -111,6 +115,22 @@ class TritonAttnBackend:
                 v = k[..., : self.v_dim]
             self._extend(q, k, v, k_cache, v_cache, out, batch, scale)
         return out
+
+    def _store_kv(self, k, v, k_cache, v_cache, out_cache_loc):
+        """Write the new tokens' K (and V) into their pool slots. One launch: torch's indexed copy
+        takes four (index casts and copies for K and V), which measured 7 us per layer in decode."""
+        has_v = not self.kv_pool.use_mla
+        if not has_v:  # MLA: the cached value is part of the key row, stored with it
+            v, v_cache = k, k_cache
+        num_kv_heads = k.shape[1]
+        _store_kv_kernel[(k.shape[0],)](
+            k, v, k_cache, v_cache, out_cache_loc,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            NUM_KV_HEADS=num_kv_heads, K_DIM=self.k_dim, V_DIM=self.v_dim, HAS_V=has_v,
+            BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_K=triton.next_power_of_2(self.k_dim),
+            BLOCK_V=triton.next_power_of_2(self.v_dim),
+        )
 
     def _extend(self, q, k, v, k_cache, v_cache, out, batch: ForwardBatch, scale: float):
         block_m, block_n, num_warps, num_stages = _extend_config(self.k_dim)
@@ -122,7 +142,7 @@ class TritonAttnBackend:
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             out.stride(0), out.stride(1), self.req_to_token.stride(0),
             scale * LOG2E,
-            GROUP=self.group, BLOCK_M=block_m, BLOCK_N=block_n, V_IN_K=self.v_in_k,
+            GROUP=self.group, BLOCK_M=block_m, BLOCK_N=block_n,
             **_head_dim_blocks(self.k_dim, self.v_dim),
             num_warps=num_warps, num_stages=num_stages,
         )
@@ -138,14 +158,15 @@ class TritonAttnBackend:
             *self.partial_out.stride()[:3], *self.partial_lse.stride()[:2], self.req_to_token.stride(0),
             scale * LOG2E,
             GROUP=self.group, BLOCK_H=max(16, triton.next_power_of_2(self.group)), BLOCK_N=block_n,
-            V_IN_K=self.v_in_k, **dims,
+            **dims,
             num_warps=num_warps, num_stages=num_stages,
         )
         _decode_merge_kernel[(bs, self.num_heads)](
             self.partial_out, self.partial_lse, batch.seq_lens, self.num_kv_splits, out,
             *self.partial_out.stride()[:3], *self.partial_lse.stride()[:2], out.stride(0), out.stride(1),
             V_DIM=self.v_dim, BLOCK_DV=dims["BLOCK_DV"], MAX_SPLITS=self.max_kv_splits,
-            num_warps=4,
+            # enough warps that the [MAX_SPLITS, BLOCK_DV] fp32 tile is at most 64 registers a thread
+            num_warps=min(16, max(4, self.max_kv_splits * dims["BLOCK_DV"] // (32 * 64))),
         )
 
 
@@ -159,20 +180,52 @@ def _head_dim_blocks(k_dim: int, v_dim: int) -> dict:
     )
 
 
-def _decode_config(k_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) for decode stage 1 on a Hopper GPU."""
-    # 32-token tiles for the 576-wide MLA rows keep a tile (and its prefetched successor) in
-    # shared memory; narrower heads take 64 tokens a tile.
-    return (64 if k_dim <= 256 else 32), 4, 2
-
-
 def _extend_config(k_dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the extend kernel on a Hopper GPU."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the extend kernel: usual flash-attention tiles
+    for Hopper, checked on an H200 but not tuned there (prefill is a small share of a run)."""
     if k_dim <= 128:
         return 128, 64, 4 if k_dim <= 64 else 8, 3
     if k_dim <= 256:
         return 64, 64, 8, 2
     return 32, 32, 8, 2  # MLA's 576-wide keys: a [32, 512] fp32 accumulator is already large
+
+
+def _decode_config(k_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for decode stage 1: the fastest of those tried on an H200
+    (bench_attention.py) for 128-wide heads and for MLA."""
+    # Each stage holds a K and a V tile in shared memory (at most about 227 KB): 128 tokens of
+    # 128-wide heads, 3 deep, is 192 KB; 192-wide keys take 64 tokens to fit; MLA's 576-wide rows
+    # take 32 tokens, 2 deep (16 or 64 tokens, 8 warps or 3 stages measured slower there).
+    if k_dim <= 128:
+        return 128, 4, 3
+    if k_dim <= 256:
+        return 64, 4, 3
+    return 32, 4, 2
+
+
+# ---- storing new K/V ----
+
+
+@triton.jit
+def _store_kv_kernel(
+    k, v, k_cache, v_cache, out_cache_loc,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_kcs, stride_kch, stride_vcs, stride_vch,
+    NUM_KV_HEADS: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr, HAS_V: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Grid (tokens,): copy one new token's K [Hkv, K_DIM] (and V) into its slot."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(out_cache_loc + t).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    dk = tl.arange(0, BLOCK_K)[None, :]
+    k_mask = (h < NUM_KV_HEADS) & (dk < K_DIM)
+    k_row = tl.load(k + t * stride_kt + h * stride_kh + dk, mask=k_mask)
+    tl.store(k_cache + slot * stride_kcs + h * stride_kch + dk, k_row, mask=k_mask)
+    if HAS_V:
+        dv = tl.arange(0, BLOCK_V)[None, :]
+        v_mask = (h < NUM_KV_HEADS) & (dv < V_DIM)
+        v_row = tl.load(v + t * stride_vt + h * stride_vh + dv, mask=v_mask)
+        tl.store(v_cache + slot * stride_vcs + h * stride_vch + dv, v_row, mask=v_mask)
 
 
 # ---- shared pieces: loading queries, online softmax over a tile / over cached positions, splits ----
@@ -194,7 +247,7 @@ def _load_queries(q_rows, row_mask, K_MAIN: tl.constexpr, K_ROPE: tl.constexpr, 
 @triton.jit
 def _attend_tile(acc, m, l, q, q_rope, k_base, v_base, k_rows, v_rows, key_mask, score_mask, scale_log2,
                  K_MAIN: tl.constexpr, K_ROPE: tl.constexpr, BLOCK_DR: tl.constexpr,
-                 V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, V_IN_K: tl.constexpr):
+                 V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr):
     """One step of online softmax: fold the keys/values at offsets k_rows/v_rows [N] into the
     running output acc [R, BLOCK_DV], max m [R] and sum l [R] of R queries (base-2 logits)."""
     # Masked lanes load zeros, never whatever an out-of-range slot holds: a NaN there would
@@ -213,12 +266,11 @@ def _attend_tile(acc, m, l, q, q_rope, k_base, v_base, k_rows, v_rows, key_mask,
     m_new = tl.maximum(m, tl.max(scores, 1))
     rescale = tl.exp2(m - m_new)  # shrinks what was summed under the old, smaller max
     p = tl.exp2(scores - m_new[:, None])
-    if V_IN_K:  # MLA: the value is the key's main part, already loaded
-        v = tl.trans(k)  # [N, K_MAIN]
-    else:
-        dv = tl.arange(0, BLOCK_DV)
-        v = tl.load(v_base + v_rows[:, None] + dv[None, :], mask=key_mask[:, None] & (dv[None, :] < V_DIM),
-                    other=0.0)  # [N, BLOCK_DV]
+    # MLA's value is the first V_DIM channels of the key row just loaded: loading it again hits
+    # the cache, and measured faster on an H200 than reusing the key tile through tl.trans.
+    dv = tl.arange(0, BLOCK_DV)
+    v = tl.load(v_base + v_rows[:, None] + dv[None, :], mask=key_mask[:, None] & (dv[None, :] < V_DIM),
+                other=0.0)  # [N, BLOCK_DV]
     acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
     l = l * rescale + tl.sum(p, 1)
     return acc, m_new, l
@@ -227,7 +279,7 @@ def _attend_tile(acc, m, l, q, q_rope, k_base, v_base, k_rows, v_rows, key_mask,
 @triton.jit
 def _attend_cached(acc, m, l, q, q_rope, token_slots, start, end, k_base, v_base, stride_ks, stride_vs, scale_log2,
                    BLOCK_N: tl.constexpr, K_MAIN: tl.constexpr, K_ROPE: tl.constexpr, BLOCK_DR: tl.constexpr,
-                   V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, V_IN_K: tl.constexpr):
+                   V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Online softmax over a request's cached positions [start, end), all visible to every query:
     token_slots points at the request's row of req_to_token, which names each position's slot."""
     for n0 in range(start, end, BLOCK_N):
@@ -235,8 +287,7 @@ def _attend_cached(acc, m, l, q, q_rope, token_slots, start, end, k_base, v_base
         visible = pos < end
         slots = tl.load(token_slots + pos, mask=visible, other=0).to(tl.int64)
         acc, m, l = _attend_tile(acc, m, l, q, q_rope, k_base, v_base, slots * stride_ks, slots * stride_vs,
-                                 visible, visible[None, :], scale_log2, K_MAIN, K_ROPE, BLOCK_DR, V_DIM, BLOCK_DV,
-                                 V_IN_K)
+                                 visible, visible[None, :], scale_log2, K_MAIN, K_ROPE, BLOCK_DR, V_DIM, BLOCK_DV)
     return acc, m, l
 
 
@@ -260,7 +311,6 @@ def _extend_kernel(
     scale_log2,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     K_MAIN: tl.constexpr, K_ROPE: tl.constexpr, BLOCK_DR: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
-    V_IN_K: tl.constexpr,
 ):
     """Grid (batch, heads, query blocks): BLOCK_M new tokens of one request attend for one head."""
     b, h, m_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -283,7 +333,7 @@ def _extend_kernel(
         acc, m, l = _attend_cached(
             acc, m, l, query, query_rope, token_slots, 0, prefix_len, k_cache + kv_head * stride_kch,
             v_cache + kv_head * stride_vch, stride_kcs, stride_vcs, scale_log2,
-            BLOCK_N, K_MAIN, K_ROPE, BLOCK_DR, V_DIM, BLOCK_DV, V_IN_K,
+            BLOCK_N, K_MAIN, K_ROPE, BLOCK_DR, V_DIM, BLOCK_DV,
         )
 
         # Phase 2: the new tokens themselves, contiguous in k_new/v_new; query i sees keys 0..i,
@@ -295,7 +345,7 @@ def _extend_kernel(
             acc, m, l = _attend_tile(
                 acc, m, l, query, query_rope, k_new + kv_head * stride_knh, v_new + kv_head * stride_vnh,
                 rows * stride_knt, rows * stride_vnt, present, present[None, :] & (n_idx[None, :] <= m_idx[:, None]),
-                scale_log2, K_MAIN, K_ROPE, BLOCK_DR, V_DIM, BLOCK_DV, V_IN_K,
+                scale_log2, K_MAIN, K_ROPE, BLOCK_DR, V_DIM, BLOCK_DV,
             )
 
         dv = tl.arange(0, BLOCK_DV)
@@ -316,7 +366,6 @@ def _decode_split_kernel(
     scale_log2,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     K_MAIN: tl.constexpr, K_ROPE: tl.constexpr, BLOCK_DR: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
-    V_IN_K: tl.constexpr,
 ):
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens + b)
@@ -334,7 +383,7 @@ def _decode_split_kernel(
         acc, m, l = _attend_cached(
             acc, m, l, query, query_rope, token_slots, start, end, k_cache + kv_head * stride_kch,
             v_cache + kv_head * stride_vch, stride_kcs, stride_vcs, scale_log2,
-            BLOCK_N, K_MAIN, K_ROPE, BLOCK_DR, V_DIM, BLOCK_DV, V_IN_K,
+            BLOCK_N, K_MAIN, K_ROPE, BLOCK_DR, V_DIM, BLOCK_DV,
         )
 
         dv = tl.arange(0, BLOCK_DV)

@@ -56,7 +56,7 @@ def record_logits(monkeypatch):
     return steps
 
 
-def assert_matches_hf(hf_model, prompts, outputs, steps, atol=1e-4):
+def assert_matches_hf(hf_model, prompts, outputs, steps, atol=1e-4, rtol=1e-4):
     """steps[0] holds every prompt's prefill logits; steps[k] the k-th decode step's, for the
     requests still running (all of them here: same max_new_tokens, EOS ignored)."""
     for i, (prompt, out) in enumerate(zip(prompts, outputs)):
@@ -64,9 +64,9 @@ def assert_matches_hf(hf_model, prompts, outputs, steps, atol=1e-4):
         with torch.no_grad():
             ref = hf_model(ids).logits[0]  # [S, vocab]
         for k in range(len(out)):
-            mine = steps[k][i]
+            mine = steps[k][i].cpu()
             expected = ref[len(prompt) - 1 + k]
-            torch.testing.assert_close(mine, expected, atol=atol, rtol=1e-4, msg=f"prompt {i} step {k}")
+            torch.testing.assert_close(mine, expected, atol=atol, rtol=rtol, msg=f"prompt {i} step {k}")
 
 
 def random_prompts(lengths, vocab, seed=1):
@@ -94,3 +94,17 @@ def test_transformers4_config_form(tmp_path, monkeypatch):
     outputs = Engine(tmp_path, max_total_tokens=256, log=False).generate(
         prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))
     assert_matches_hf(hf_model, prompts, outputs, steps)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_bfloat16_on_gpu_matches_hf_float32(tmp_path, monkeypatch, variant):
+    """The GPU path (fused Triton norm/rope/SiLU kernels, bfloat16 weights) against HF in float32:
+    bfloat16 keeps 8 bits of mantissa, so the bound is a few percent of the logits' scale."""
+    hf_model = save_tiny_llama(tmp_path, variant)
+    steps = record_logits(monkeypatch)
+    prompts = random_prompts([5, 17, 1, 60], TINY["vocab_size"])
+    engine = Engine(tmp_path, device="cuda", dtype=torch.bfloat16, max_total_tokens=512, log=False)
+    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    scale = max(s.abs().max().item() for s in steps)
+    assert_matches_hf(hf_model, prompts, outputs, steps, atol=0.03 * scale, rtol=0.03)
