@@ -43,7 +43,7 @@ def _random_prompts(n, vocab, seed):
 
 
 @requires_cuda
-@pytest.mark.parametrize("shape", ["smollm2-135m", "llama-3-8b"])
+@pytest.mark.parametrize("shape", ["smollm2-135m", "llama-3-8b", "deepseek-v2-lite"])
 def test_graphs_match_eager_as_the_batch_shrinks(shape):
     from nano.engine import Engine
     from nano.generate import SHIPPED_CONFIGS

@@ -85,8 +85,8 @@ def test_hub_config_form(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("num_tokens", [1, 7, 300])
 def test_moe_forms_match_hf(num_tokens):
-    """The gathered, dense and grouped forms each equal HF's MoE block (whichever form the
-    engine picks for a given batch, the parity tests above only see one or two of them)."""
+    """The matvec, dense and grouped forms each equal HF's MoE block (whichever form the engine
+    picks for a given batch, the parity tests above only see one or two of them)."""
     torch.manual_seed(0)
     hf_cfg = transformers.DeepseekV2Config(**TINY, routed_scaling_factor=1.5)
     hf_moe = transformers.models.deepseek_v2.modeling_deepseek_v2.DeepseekV2Moe(hf_cfg)
@@ -103,6 +103,25 @@ def test_moe_forms_match_hf(num_tokens):
         x = torch.randn(num_tokens, TINY["hidden_size"])
         expected = hf_moe(x[None])[0] - shared(x)
         weights, ids = moe.route(x)
-        for form in (moe.gathered, moe.dense, moe.grouped):
+        forms = [moe.dense, moe.grouped]
+        # matvec is a Triton kernel: on these CPU tensors it runs only in Triton's interpreter
+        # (conftest), slowly, so not at the prefill size
+        if num_tokens < 300 and not torch.cuda.is_available():
+            forms.append(moe.matvec)
+        for form in forms:
             torch.testing.assert_close(form(x, weights, ids), expected, atol=1e-5, rtol=1e-5, msg=form.__name__)
         torch.testing.assert_close(moe(x), expected + shared(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("use_mla", [True, False], ids=["mla", "expanded"])
+def test_bfloat16_on_gpu_matches_hf_float32(tmp_path, monkeypatch, use_mla, backend):
+    hf_model = save_tiny_deepseek(tmp_path, "lite")
+    steps = record_logits(monkeypatch)
+    prompts = random_prompts([5, 17, 1, 40], TINY["vocab_size"])
+    engine = Engine(tmp_path, device="cuda", dtype=torch.bfloat16, attention_backend=backend,
+                    max_total_tokens=256, use_mla=use_mla, log=False)
+    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    scale = max(s.abs().max().item() for s in steps)
+    assert_matches_hf(hf_model, prompts, outputs, steps, atol=0.03 * scale, rtol=0.03)
