@@ -126,6 +126,7 @@ class MoE(nn.Module):
         super().__init__()
         self.num_experts, self.top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
         self.norm_topk_prob, self.routed_scaling_factor = cfg.norm_topk_prob, cfg.routed_scaling_factor
+        self.matvec_max_tokens = 1 << (max(self.num_experts // self.top_k, 1).bit_length() - 1)  # see forward
         hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size
         self.gate = Linear(hidden, cfg.n_routed_experts)  # the router
         # All experts' weights stacked, so a batch of expert ids can index them on the device.
@@ -160,7 +161,9 @@ class MoE(nn.Module):
           (token, chosen expert) pair as a matrix-vector product, reading that expert's weights in
           place. Its cost grows with the pairs, about one expert's bytes each (pairs that share an
           expert share some of them through L2), so it pays while there are no more pairs than
-          experts (T k <= E: T <= 10 for V2-Lite). On an H200 a V2-Lite layer's routed experts
+          experts (T k <= E), rounded down to a power of two (T <= 8 for V2-Lite): every CUDA-graph
+          batch size up to 16 is a power of two, so a batch padded for a graph picks the same
+          form as the same batch run eagerly, and the two give the same tokens. On an H200 a V2-Lite layer's routed experts
           take about 40 us at T = 1 (dense 272, copying the chosen experts out first 98) and break
           even with dense at about T = 12;
         - dense (larger decode batches): run every expert on every token and zero the unchosen ones
@@ -173,7 +176,7 @@ class MoE(nn.Module):
         On CPU (the reference) decode batches run dense."""
         weights, ids = self.route(x)
         num_tokens = x.shape[0]
-        if x.is_cuda and num_tokens * self.top_k <= self.num_experts:
+        if x.is_cuda and num_tokens <= self.matvec_max_tokens:
             routed = self.matvec(x, weights, ids)
         elif num_tokens <= STATIC_MOE_MAX_TOKENS or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
             routed = self.dense(x, weights, ids)

@@ -76,9 +76,13 @@ class RotaryEmbedding(torch.nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rotate q [T, H, rot_dim] and k [T, Hkv, rot_dim] by their token's position [T]."""
-        if q.is_cuda:  # one fused kernel, in place (triton_ops.py); the torch code below is its reference
+        if q.is_cuda:  # one fused kernel, in place (triton_ops.py)
             apply_rope_(q, k, self.cos_sin, positions)
             return q, k
+        return self.rotate_reference(positions, q, k)
+
+    def rotate_reference(self, positions, q, k):
+        """The same rotation in plain torch: the CPU path, and the truth for the kernel's tests."""
         cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rot_dim/2] each
         out = []
         for x in (q, k):

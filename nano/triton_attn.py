@@ -95,9 +95,13 @@ class TritonAttnBackend:
             return
         bs = batch.seq_lens.shape[0]
         # Splits are worth it while the batch alone does not fill the GPU; this cap depends only
-        # on the batch size, so a captured graph stays valid. Within it, a request gets one split
-        # per min_split_tokens tokens: short requests are not chopped into slivers.
-        cap = max(1, min(self.max_kv_splits, triton.cdiv(self.target_programs, bs * self.num_kv_heads)))
+        # on the batch size, so a captured graph stays valid. It is computed from bs rounded up to
+        # a power of two: a batch padded to a CUDA-graph size (powers of two, then multiples of 8)
+        # rounds to the same power as the real batch run eagerly, so both split alike and give the
+        # same tokens. Within the cap, a request gets one split per min_split_tokens tokens: short
+        # requests are not chopped into slivers.
+        bs_bucket = triton.next_power_of_2(bs)
+        cap = max(1, min(self.max_kv_splits, triton.cdiv(self.target_programs, bs_bucket * self.num_kv_heads)))
         wanted = torch.div(batch.seq_lens + (self.min_split_tokens - 1), self.min_split_tokens, rounding_mode="floor")
         torch.clamp(wanted, 1, cap, out=self.num_kv_splits[:bs])
 

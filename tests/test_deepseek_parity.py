@@ -123,5 +123,4 @@ def test_bfloat16_on_gpu_matches_hf_float32(tmp_path, monkeypatch, use_mla, back
     engine = Engine(tmp_path, device="cuda", dtype=torch.bfloat16, attention_backend=backend,
                     max_total_tokens=256, use_mla=use_mla, log=False)
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))
-    scale = max(s.abs().max().item() for s in steps)
-    assert_matches_hf(hf_model, prompts, outputs, steps, atol=0.03 * scale, rtol=0.03)
+    assert_matches_hf(hf_model, prompts, outputs, steps, max_rel_error=0.1)  # see the Llama twin

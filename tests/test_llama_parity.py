@@ -56,9 +56,11 @@ def record_logits(monkeypatch):
     return steps
 
 
-def assert_matches_hf(hf_model, prompts, outputs, steps, atol=1e-4, rtol=1e-4):
+def assert_matches_hf(hf_model, prompts, outputs, steps, atol=1e-4, max_rel_error=None):
     """steps[0] holds every prompt's prefill logits; steps[k] the k-th decode step's, for the
-    requests still running (all of them here: same max_new_tokens, EOS ignored)."""
+    requests still running (all of them here: same max_new_tokens, EOS ignored).
+    With max_rel_error, each step's logits are held to ||mine - ref|| / ||ref|| instead of
+    elementwise: the bound for low-precision runs, where single logits can be off by more."""
     for i, (prompt, out) in enumerate(zip(prompts, outputs)):
         ids = torch.tensor([prompt + out])
         with torch.no_grad():
@@ -66,7 +68,11 @@ def assert_matches_hf(hf_model, prompts, outputs, steps, atol=1e-4, rtol=1e-4):
         for k in range(len(out)):
             mine = steps[k][i].cpu()
             expected = ref[len(prompt) - 1 + k]
-            torch.testing.assert_close(mine, expected, atol=atol, rtol=rtol, msg=f"prompt {i} step {k}")
+            if max_rel_error is None:
+                torch.testing.assert_close(mine, expected, atol=atol, rtol=1e-4, msg=f"prompt {i} step {k}")
+            else:
+                rel_error = ((mine - expected).norm() / expected.norm()).item()
+                assert rel_error < max_rel_error, f"prompt {i} step {k}: relative error {rel_error:.3f}"
 
 
 def random_prompts(lengths, vocab, seed=1):
@@ -99,12 +105,12 @@ def test_transformers4_config_form(tmp_path, monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_bfloat16_on_gpu_matches_hf_float32(tmp_path, monkeypatch, variant):
-    """The GPU path (fused Triton norm/rope/SiLU kernels, bfloat16 weights) against HF in float32:
-    bfloat16 keeps 8 bits of mantissa, so the bound is a few percent of the logits' scale."""
+    """The GPU path (fused Triton norm/rope/SiLU kernels, bfloat16 weights) against HF in float32.
+    bfloat16 keeps 8 bits of mantissa; with these large random weights the logits come out about
+    5% off in norm (measured on CPU in bfloat16), while a real bug (rope, masking) is off by O(1)."""
     hf_model = save_tiny_llama(tmp_path, variant)
     steps = record_logits(monkeypatch)
     prompts = random_prompts([5, 17, 1, 60], TINY["vocab_size"])
     engine = Engine(tmp_path, device="cuda", dtype=torch.bfloat16, max_total_tokens=512, log=False)
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))
-    scale = max(s.abs().max().item() for s in steps)
-    assert_matches_hf(hf_model, prompts, outputs, steps, atol=0.03 * scale, rtol=0.03)
+    assert_matches_hf(hf_model, prompts, outputs, steps, max_rel_error=0.1)

@@ -3,7 +3,7 @@
 On CPU (Triton's interpreter, float32, tiny models) greedy tokens must be identical. On the GPU
 (bfloat16, random weights in SmolLM2's and Llama-3-8B's shapes) the two backends sum in different
 orders, so a near-tie between two tokens can flip and the texts diverge from there: the test
-bounds the prefill logits and prints the token match rate (run with -rP to see it)."""
+bounds the prefill logits' relative error and prints the token match rate (run with -rP to see it)."""
 
 import pytest
 import torch
@@ -49,10 +49,10 @@ def test_triton_backend_matches_torch_on_gpu(shape, monkeypatch):
         del engine
         torch.cuda.empty_cache()
     (ref_out, ref_logits), (out, logits) = results["torch"], results["triton"]
-    scale = ref_logits.abs().max().item()
-    torch.testing.assert_close(logits, ref_logits, atol=0.02 * scale, rtol=0.02)
+    rel_error = ((logits - ref_logits).norm() / ref_logits.norm()).item()
+    assert rel_error < 0.05, rel_error
     same = sum(a == b for a, b in zip(out, ref_out))
     agree = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(out, ref_out)]
-    print(f"{shape}: {same}/{len(prompts)} requests identical over 32 greedy tokens; "
+    print(f"{shape}: prefill logits relative error {rel_error:.4f}; {same}/{len(prompts)} requests identical over 32 greedy tokens; "
           f"tokens before the first difference: {agree}")
     assert out[0][0] == ref_out[0][0] or same > 0
