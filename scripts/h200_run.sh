@@ -5,24 +5,29 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/nano_out}; mkdir -p "$OUT"
-what=${1:-all}
+whats="${*:-all}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 
-if [[ $what == all || $what == tests ]]; then
+if [[ $whats == all || $whats == *tests* ]]; then
   python3 -m pytest -q -rs tests --ignore=tests/test_default_model.py --ignore=tests/test_tokenizer.py \
-    --ignore=tests/test_cli.py 2>&1 | tee "$OUT/pytest.log" | tail -40
+    --ignore=tests/test_cli.py --ignore=tests/test_triton_e2e.py 2>&1 | tee "$OUT/pytest.log" | tail -40
 fi
-if [[ $what == all || $what == bench ]]; then
+if [[ $whats == all || $whats == *tests* ]]; then
+  python3 -m pytest -q -rP tests/test_triton_e2e.py 2>&1 | grep -E "requests identical|passed|failed|Error|error" | tee "$OUT/match_rates.log"
+fi
+if [[ $whats == all || $whats == *bench-llama* ]]; then
   {
     python3 -m nano.bench_attention
-    for graphs in "" "--disable-cuda-graph"; do
-      python3 -m nano.bench_latency --model llama-3-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 8 $graphs
-    done
+    python3 -m nano.bench_latency --model llama-3-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 8 --disable-cuda-graph
     python3 -m nano.bench_latency --model llama-3-8b --load-format dummy --batch-size 1 8 32 64 128 160 --input-len 128 --output-len 8
-    for flags in "" "--disable-cuda-graph" "--disable-mla" "--disable-mla --disable-cuda-graph"; do
+  } 2>&1 | tee "$OUT/bench_llama.log"
+fi
+if [[ $whats == all || $whats == *bench-deepseek* ]]; then
+  {
+    for flags in "--disable-cuda-graph" "--disable-mla" "--disable-mla --disable-cuda-graph"; do
       python3 -m nano.bench_latency --model deepseek-v2-lite --load-format dummy --batch-size 1 --input-len 128 --output-len 8 $flags
     done
     python3 -m nano.bench_latency --model deepseek-v2-lite --load-format dummy --batch-size 1 8 32 64 128 160 --input-len 128 --output-len 8
-  } 2>&1 | tee "$OUT/bench.log"
+  } 2>&1 | tee "$OUT/bench_deepseek.log"
 fi
