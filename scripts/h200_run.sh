@@ -11,10 +11,10 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 
 if [[ $whats == all || $whats == *tests* ]]; then
   python3 -m pytest -q -rs tests --ignore=tests/test_default_model.py --ignore=tests/test_tokenizer.py \
-    --ignore=tests/test_cli.py --ignore=tests/test_triton_e2e.py 2>&1 | tee "$OUT/pytest.log" | tail -40
+    --ignore=tests/test_cli.py --ignore=tests/test_triton_e2e.py --ignore=tests/test_cuda_graph_runner.py 2>&1 | tee "$OUT/pytest.log" | tail -40
 fi
 if [[ $whats == all || $whats == *tests* ]]; then
-  python3 -m pytest -q -rP tests/test_triton_e2e.py 2>&1 | grep -E "requests identical|passed|failed|Error|error" | tee "$OUT/match_rates.log"
+  python3 -m pytest -q -rP tests/test_triton_e2e.py tests/test_cuda_graph_runner.py 2>&1 | grep -E "identical|passed|failed|Error|error" | tee "$OUT/match_rates.log"
 fi
 if [[ $whats == all || $whats == *bench-llama* ]]; then
   {
@@ -30,4 +30,7 @@ if [[ $whats == all || $whats == *bench-deepseek* ]]; then
     done
     python3 -m nano.bench_latency --model deepseek-v2-lite --load-format dummy --batch-size 1 8 32 64 128 160 --input-len 128 --output-len 8
   } 2>&1 | tee "$OUT/bench_deepseek.log"
+fi
+if [[ $whats == all || $whats == *profile* ]]; then
+  { python3 scripts/profile_decode.py llama-3-8b 1; python3 scripts/profile_decode.py deepseek-v2-lite 1; } 2>&1 | tee "$OUT/profile.log"
 fi

@@ -42,24 +42,45 @@ def _random_prompts(n, vocab, seed):
     return [torch.randint(3, vocab, (m,), generator=g).tolist() for m in lengths]
 
 
+class EagerReplay:
+    """Stands in for a captured graph: runs the same padded static batch eagerly."""
+
+    def __init__(self, runner, bs):
+        self.runner, self.bs = runner, bs
+
+    def replay(self):
+        runner = self.runner
+        runner.logits[self.bs].copy_(runner.model(runner.inputs.batch(self.bs), runner.attn))
+
+
 @requires_cuda
 @pytest.mark.parametrize("shape", ["smollm2-135m", "llama-3-8b", "deepseek-v2-lite"])
 def test_graphs_match_eager_as_the_batch_shrinks(shape):
+    """13 requests of different lengths and budgets: the batch shrinks through padded sizes 16, 8,
+    4, 2, 1. Replayed graphs must give exactly the tokens of the same padded batches run eagerly;
+    a later, smaller generate() replays graphs captured and used at other sizes before.
+    Against eager *unpadded* batches, the matmuls see another row count, cuBLAS may pick another
+    kernel and round differently; for the Llama shapes the tokens still agree exactly, for
+    DeepSeek's router near-ties between experts can flip (the agreement is printed)."""
     from nano.engine import Engine
     from nano.generate import SHIPPED_CONFIGS
     from nano.sampling import SamplingParams
 
     prompts = _random_prompts(13, 32000, seed=0)
     params = [SamplingParams(max_new_tokens=4 + 3 * i, ignore_eos=True) for i in range(13)]
-    outputs = {}
-    for graphs in (False, True):
-        engine = Engine(SHIPPED_CONFIGS / shape, device="cuda", dtype=torch.bfloat16, attention_backend="triton",
-                        load_format="dummy", max_total_tokens=8192, max_requests=32, cuda_graph=graphs,
-                        cuda_graph_max_bs=32, log=False)
-        outputs[graphs] = engine.generate(prompts, params)
-        if graphs:  # a batch replayed after other batch sizes still matches eager
-            outputs["again"] = engine.generate(prompts[:5], params[:5])
-        del engine
-        torch.cuda.empty_cache()
-    assert outputs[True] == outputs[False]
-    assert outputs["again"] == outputs[False][:5]
+    engine = Engine(SHIPPED_CONFIGS / shape, device="cuda", dtype=torch.bfloat16, attention_backend="triton",
+                    load_format="dummy", max_total_tokens=8192, max_requests=32, cuda_graph=True,
+                    cuda_graph_max_bs=32, log=False)
+    graphs = engine.generate(prompts, params)
+    graphs_again = engine.generate(prompts[:5], params[:5])
+    runner = engine.graph_runner
+    captured, runner.graphs = runner.graphs, {bs: EagerReplay(runner, bs) for bs in runner.graphs}
+    padded_eager = engine.generate(prompts, params)
+    runner.graphs, engine.graph_runner = captured, None
+    unpadded_eager = engine.generate(prompts, params)
+    assert graphs == padded_eager
+    assert graphs_again == padded_eager[:5]
+    same = sum(a == b for a, b in zip(graphs, unpadded_eager))
+    print(f"{shape}: {same}/13 requests identical to unpadded eager decoding")
+    if shape != "deepseek-v2-lite":
+        assert graphs == unpadded_eager
