@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from nano.deepseek import MoE
 from nano.generate import UsageError, add_engine_args, engine_from_args, resolve_model
 from nano.kv_cache import kv_bytes_per_token
 from nano.sampling import SamplingParams
@@ -31,16 +32,14 @@ def weight_bytes_per_step(model, batch_size: int) -> float:
     """Bytes of weights one decode step reads: all but the embedding table (unless it doubles as
     lm_head); of a MoE layer's routed experts, the expected number a batch touches."""
     cfg = model.cfg
-    total = 0.0
-    for name, p in model.named_parameters():
-        if name == "embed_tokens" and not cfg.tie_word_embeddings:
-            continue
-        size = p.numel() * p.element_size()
-        if ".experts." in f".{name}." and "shared" not in name:
-            # each token picks k of E experts; a batch of b touches E (1 - (1 - k/E)^b) on average
-            k, e = cfg.num_experts_per_tok, cfg.n_routed_experts
-            size *= 1 - (1 - k / e) ** batch_size
-        total += size
+    total = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                if name != "embed_tokens" or cfg.tie_word_embeddings)
+    if cfg.n_routed_experts:
+        # each token picks k of E experts; a batch of b touches E (1 - (1 - k/E)^b) of them on average
+        k, e = cfg.num_experts_per_tok, cfg.n_routed_experts
+        untouched = (1 - k / e) ** batch_size
+        for moe in (m for m in model.modules() if isinstance(m, MoE)):
+            total -= untouched * (moe.w13.numel() + moe.w2.numel()) * moe.w13.element_size()
     return total
 
 
