@@ -202,8 +202,12 @@ class MoE(nn.Module):
         tokens_per_expert = torch.bincount(ids.flatten(), minlength=self.num_experts).tolist()  # host sync
         pairs_of_expert = x[token_of_pair].split(tokens_per_expert)
         out = torch.cat([_swiglu(xs, self.w13[e], self.w2[e]) for e, xs in enumerate(pairs_of_expert)])
-        out *= weights.flatten()[order, None].to(x.dtype)  # [T*k, hidden]
-        return torch.zeros_like(x).index_add_(0, token_of_pair, out)
+        out *= weights.flatten()[order, None].to(x.dtype)  # [T*k, hidden], pairs in expert order
+        # Back to (token, slot) order and sum each token's k slots. Not index_add_: its atomic adds
+        # land in a different order each run, and the next decode step's routing can flip on that.
+        unsorted = torch.empty_like(out)
+        unsorted[order] = out
+        return unsorted.view(-1, self.top_k, x.shape[-1]).sum(dim=1)
 
 
 def _swiglu(x, w13, w2):

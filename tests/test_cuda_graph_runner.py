@@ -55,44 +55,33 @@ class EagerReplay:
 
 @requires_cuda
 @pytest.mark.parametrize("shape", ["smollm2-135m", "llama-3-8b", "deepseek-v2-lite"])
-def test_graphs_match_eager_as_the_batch_shrinks(shape, monkeypatch):
+def test_graphs_match_eager_as_the_batch_shrinks(shape):
     """13 requests of different lengths and budgets: the batch shrinks through padded sizes 16, 8,
-    4, 2, 1, and a later, smaller generate() replays graphs used at other sizes before.
-    For the Llama shapes the tokens must equal eager decoding exactly, both of the same padded
-    batches and of unpadded ones. DeepSeek's router is discontinuous: with random weights some
-    experts' scores nearly tie, and the last-bit differences between a captured and an eager
-    matmul (cuBLAS may pick other kernels under capture or for another row count) can flip one,
-    after which the texts part. There the first decode step's logits must agree to bfloat16
-    precision, and the token agreement is printed."""
+    4, 2, 1, and a later, smaller generate() replays graphs used at other sizes before. The tokens
+    must equal eager decoding exactly: of the same padded batches, and of unpadded ones (the MoE
+    form and the attention split counts are chosen so that padding does not change them).
+    DeepSeek's router makes this strict: with random weights some experts' scores nearly tie, and
+    any last-bit difference (an atomic add in another order) flips one and the texts part."""
     from nano.engine import Engine
     from nano.generate import SHIPPED_CONFIGS
     from nano.sampling import SamplingParams
-    from tests.test_llama_parity import record_logits
 
     prompts = _random_prompts(13, 32000, seed=0)
     params = [SamplingParams(max_new_tokens=4 + 3 * i, ignore_eos=True) for i in range(13)]
     engine = Engine(SHIPPED_CONFIGS / shape, device="cuda", dtype=torch.bfloat16, attention_backend="triton",
                     load_format="dummy", max_total_tokens=8192, max_requests=32, cuda_graph=True,
                     cuda_graph_max_bs=32, log=False)
-    runs, first_decode_logits = {}, {}
+    runs = {}
     runner = engine.graph_runner
     captured = runner.graphs
     for mode in ("graphs", "padded eager", "eager"):
         runner.graphs = captured if mode == "graphs" else {bs: EagerReplay(runner, bs) for bs in captured}
         engine.graph_runner = None if mode == "eager" else runner
-        steps = record_logits(monkeypatch)
         runs[mode] = engine.generate(prompts, params)
-        first_decode_logits[mode] = steps[1]
     engine.graph_runner, runner.graphs = runner, captured
     again = engine.generate(prompts[:5], params[:5])
     for mode in ("padded eager", "eager"):
         same = sum(a == b for a, b in zip(runs["graphs"], runs[mode]))
         print(f"{shape}: {same}/13 requests identical with graphs and with {mode} decoding")
-    if shape == "deepseek-v2-lite":
-        for mode in ("padded eager", "eager"):
-            ref = first_decode_logits[mode]
-            rel_error = ((first_decode_logits["graphs"] - ref).norm() / ref.norm()).item()
-            assert rel_error < 0.02, (mode, rel_error)
-    else:
-        assert runs["graphs"] == runs["padded eager"] == runs["eager"]
-        assert again == runs["eager"][:5]
+    assert runs["graphs"] == runs["padded eager"] == runs["eager"]
+    assert again == runs["eager"][:5]
