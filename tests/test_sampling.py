@@ -1,0 +1,34 @@
+"""The sampler: greedy, temperature, top-k and top-p, per request in one batch."""
+
+import torch
+
+from nano.sampling import SamplingParams, sample
+
+
+def draw(logits, params, n, seed=0):
+    gens = [torch.Generator().manual_seed(seed + i) for i in range(len(params))]
+    return torch.stack([sample(logits, params, gens) for _ in range(n)])  # [n, B]
+
+
+def test_mixed_batch_respects_each_requests_settings():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50) * 3
+    top5 = logits[1].topk(5).indices
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=5),
+              SamplingParams(temperature=1.0, top_p=1e-6), SamplingParams(temperature=1.0, top_k=1)]
+    tokens = draw(logits, params, 300)
+    greedy = logits.argmax(-1)
+    assert (tokens[:, 0] == greedy[0]).all()
+    assert torch.isin(tokens[:, 1], top5).all() and tokens[:, 1].unique().numel() > 1  # it samples
+    assert (tokens[:, 2] == greedy[2]).all()  # top-p so small only the best token is left
+    assert (tokens[:, 3] == greedy[3]).all()
+
+
+def test_frequencies_follow_the_softmax_and_top_p_mass():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    counts = torch.bincount(draw(logits, [SamplingParams(temperature=1.0)], 4000)[:, 0], minlength=4)
+    assert torch.allclose(counts / 4000, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.03)
+    # top-p 0.7: 0.5 alone is short of 0.7, 0.5 + 0.3 reaches it; renormalised to 5/8, 3/8
+    counts = torch.bincount(draw(logits, [SamplingParams(temperature=1.0, top_p=0.7)], 4000)[:, 0], minlength=4)
+    assert counts[2:].sum() == 0
+    assert abs(counts[0] / 4000 - 0.625) < 0.03
