@@ -114,3 +114,16 @@ def test_bfloat16_on_gpu_matches_hf_float32(tmp_path, monkeypatch, variant):
     engine = Engine(tmp_path, device="cuda", dtype=torch.bfloat16, max_total_tokens=512, log=False)
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))
     assert_matches_hf(hf_model, prompts, outputs, steps, max_rel_error=0.1)
+
+
+def test_sharded_checkpoint(tmp_path, monkeypatch):
+    """Weights split over several safetensors files with an index, as 8B checkpoints come."""
+    torch.manual_seed(0)
+    hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY, **VARIANTS["gqa"])).eval()
+    hf_model.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 2 and (tmp_path / "model.safetensors.index.json").exists()
+    steps = record_logits(monkeypatch)
+    prompts = random_prompts([9, 4], TINY["vocab_size"])
+    outputs = Engine(tmp_path, max_total_tokens=128, log=False).generate(
+        prompts, SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert_matches_hf(hf_model, prompts, outputs, steps)
