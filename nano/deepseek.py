@@ -128,7 +128,7 @@ class MoE(nn.Module):
         self.norm_topk_prob, self.routed_scaling_factor = cfg.norm_topk_prob, cfg.routed_scaling_factor
         self.matvec_max_tokens = 1 << (max(self.num_experts // self.top_k, 1).bit_length() - 1)  # see forward
         hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate = Linear(hidden, cfg.n_routed_experts)  # the router
+        self.gate = Linear(hidden, cfg.n_routed_experts, dtype=torch.float32)  # the router, see route()
         # All experts' weights stacked, so a batch of expert ids can index them on the device.
         # w13 holds each expert's gate rows then its up rows, like SwiGLU.gate_up_proj.
         self.w13 = nn.Parameter(torch.empty(cfg.n_routed_experts, 2 * inter, hidden), requires_grad=False)
@@ -147,8 +147,9 @@ class MoE(nn.Module):
 
     def route(self, x) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (weights [T, k] float32, expert ids [T, k])."""
-        # In float32, as DeepSeek does: bf16 rounding would flip the choice between close experts.
-        scores = F.linear(x.float(), self.gate.weight.float()).softmax(dim=-1)  # [T, E]
+        # In float32, as DeepSeek does (the router's weight is kept in float32 too, so nothing is
+        # converted per step): bf16 rounding would flip the choice between close experts.
+        scores = F.linear(x.float(), self.gate.weight).softmax(dim=-1)  # [T, E]
         weights, ids = scores.topk(self.top_k, dim=-1)
         # DeepSeek-V2's rule: renormalise the chosen weights *or* scale them, never both.
         if self.top_k > 1 and self.norm_topk_prob:

@@ -171,12 +171,10 @@ class Engine:
         if not reqs:
             return []
         slots = self.slots.alloc(len(reqs))
-        rows = [r.row for r in reqs]
         seq_lens = [r.num_tokens for r in reqs]  # the new token's position is num_tokens - 1
-        self.req_to_token_pool.req_to_token[
-            torch.tensor(rows, device=self.device), torch.tensor(seq_lens, device=self.device) - 1
-        ] = slots
-        batch = ForwardBatch.decode([r.output_ids[-1] for r in reqs], seq_lens, rows, slots, self.device)
+        batch = ForwardBatch.decode([r.output_ids[-1] for r in reqs], seq_lens, [r.row for r in reqs], slots,
+                                    self.device)
+        self.req_to_token_pool.req_to_token[batch.req_pool_indices, batch.positions] = slots
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             logits = self.graph_runner.replay(batch)
         else:

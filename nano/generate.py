@@ -128,7 +128,7 @@ def read_prompts(args) -> list[str]:
 
 
 def run(args):
-    from nano.tokenizer import StreamDecoder, Tokenizer
+    from nano.tokenizer import StreamDecoder, Tokenizer, TokenizerError
 
     prompts = read_prompts(args)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -139,7 +139,12 @@ def run(args):
         raise UsageError(str(e)) from None
     model_dir = resolve_model(args.model, args.load_format)
     load_config(model_dir)  # a broken folder fails fast, before the tokenizer and the weights
-    tokenizer = Tokenizer(model_dir)
+    try:
+        tokenizer = Tokenizer(model_dir)
+    except TokenizerError as e:
+        if args.load_format != "dummy":
+            raise
+        raise UsageError(f"{e}; a shipped shape has no tokenizer: time it with python -m nano.bench_latency") from None
     engine = engine_from_args(args, model_dir)
     stop_ids = set(tokenizer.eos_token_ids) | set(engine.cfg.eos_token_ids)
     requests = []

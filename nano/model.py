@@ -40,10 +40,10 @@ class Linear(nn.Module):
     """y = x W^T. Several checkpoint matrices may be stacked into one weight (`output_sizes`).
     The weight is left uninitialised: the loader fills it."""
 
-    def __init__(self, in_features: int, output_sizes: int | list[int]):
+    def __init__(self, in_features: int, output_sizes: int | list[int], dtype: torch.dtype | None = None):
         super().__init__()
         self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else output_sizes
-        self.weight = nn.Parameter(torch.empty(sum(self.output_sizes), in_features), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(sum(self.output_sizes), in_features, dtype=dtype), requires_grad=False)
 
     def forward(self, x):
         return F.linear(x, self.weight)
