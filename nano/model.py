@@ -1,4 +1,4 @@
-"""The models: Llama and DeepSeek-V2 forward passes, and loading their weights.
+"""The model: the Llama forward pass, the pieces DeepSeek-V2 (deepseek.py) builds on, and weight loading.
 
 A decoder-only transformer turns a batch of token ids into next-token logits:
 embed -> N x (RMSNorm -> attention -> add, RMSNorm -> MLP -> add) -> RMSNorm -> lm_head.
@@ -7,10 +7,12 @@ list `[T, hidden]`, each with its own position; attention is the only place wher
 kept apart, and it is delegated to an attention backend (torch_attn.py, triton_attn.py) that reads
 and writes the KV cache. Everything else is per token and does not care which request a token is.
 
-Two things make the code below differ from a training implementation:
+Three things make the code below differ from a training implementation:
 - fused projections: q/k/v are one matmul (`qkv_proj`) and gate/up are one (`gate_up_proj`), so a
   decode step launches fewer, larger kernels. The loader writes each checkpoint tensor into its
   rows of the fused weight.
+- each residual add is fused into the RMSNorm that follows it (`add_and_norm`, one kernel on the
+  GPU: triton_ops.py), so a layer hands on its output and the residual stream separately.
 - only the last token of each request gets logits: that is all sampling needs.
 
 Weights are loaded tensor by tensor straight onto the target device, so an 8B model never needs
