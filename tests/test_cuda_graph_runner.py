@@ -85,3 +85,25 @@ def test_graphs_match_eager_as_the_batch_shrinks(shape):
         print(f"{shape}: {same}/13 requests identical with graphs and with {mode} decoding")
     assert runs["graphs"] == runs["padded eager"] == runs["eager"]
     assert runs["graphs, 5 requests"] == runs["padded eager, 5 requests"] == runs["eager, 5 requests"]
+
+
+def test_out_of_memory_during_capture_names_the_knobs(monkeypatch):
+    """Capture runs out of memory at the largest batch: one line saying what to lower.
+    (On CPU the CUDA calls around the capture are stubbed; the model raises the OOM.)"""
+    from types import SimpleNamespace
+
+    from nano.cuda_graph_runner import CudaGraphRunner, GraphCaptureError
+
+    def model(batch, attn):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (0, 0))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    engine = SimpleNamespace(model=model, attn=None, device="cpu", log=False,
+                             req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(256, 8)))
+    with pytest.raises(GraphCaptureError) as err:
+        CudaGraphRunner(engine, max_bs=160)
+    message = str(err.value)
+    assert "\n" not in message and "batch size 160" in message
+    assert "--cuda-graph-max-bs" in message and "--mem-fraction" in message
