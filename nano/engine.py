@@ -18,7 +18,7 @@ Life of a request:
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -110,8 +110,8 @@ class Engine:
         if len(prompt_ids) >= self.context_length:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; the context holds {self.context_length} "
                              "(prompt plus at least one new token)")
-        # never generate past the context
-        params.max_new_tokens = min(params.max_new_tokens, self.context_length - len(prompt_ids))
+        # never generate past the context (a copy: the caller's params may serve other requests)
+        params = replace(params, max_new_tokens=min(params.max_new_tokens, self.context_length - len(prompt_ids)))
         req = Request(self.next_rid, list(prompt_ids), params, set() if params.ignore_eos else set(stop_ids))
         if req.max_tokens > self.kv_pool.num_slots - 1:
             raise ValueError(f"request needs {req.max_tokens} KV slots (prompt + max-new-tokens); "
@@ -200,7 +200,7 @@ class Engine:
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], stop_ids=()):
         """Run prompts to completion; -> list of output token lists, in prompt order."""
         params = params if isinstance(params, list) else [params] * len(prompts)
-        reqs = [self.add_request(p, SamplingParams(**vars(sp)), stop_ids) for p, sp in zip(prompts, params)]
+        reqs = [self.add_request(p, sp, stop_ids) for p, sp in zip(prompts, params)]
         while self.has_work():
             self.step()
         return [r.output_ids for r in reqs]

@@ -151,7 +151,7 @@ def run(args):
     for i, prompt in enumerate(prompts):
         ids = tokenizer.encode_prompt(prompt, use_chat_template=not args.no_chat_template)
         try:
-            requests.append(engine.add_request(ids, SamplingParams(**vars(params)), stop_ids))
+            requests.append(engine.add_request(ids, params, stop_ids))
         except ValueError as e:
             raise UsageError(f"prompt {i + 1}: {e}") from None
     print(f"{len(requests)} prompt(s), {sum(len(r.prompt_ids) for r in requests)} prompt tokens", file=sys.stderr)
