@@ -1,4 +1,4 @@
-"""Latency benchmark in the seed system's format: one prefill, then decode steps, per batch size.
+"""Latency benchmark: one prefill, then decode steps, per batch size (SGLang's bench_one_batch format).
 
     python -m nano.bench_latency --model llama-3-8b --load-format dummy --batch-size 1 8 32 \\
         --input-len 128 --output-len 8
@@ -10,7 +10,8 @@ the prefill latency and the median decode-step latency, each with its throughput
 Decode at small batch is memory-bound: each step must read every weight once (for a
 mixture-of-experts model, only the experts the batch routes to) and each request's KV cache.
 Dividing those bytes by the step time gives the achieved bandwidth; its fraction of the device's
-measured copy bandwidth says how close the step is to the hardware's floor.
+copy bandwidth, measured at start (or given with --peak-bandwidth), says how close the step is
+to the hardware's floor.
 """
 
 import argparse
@@ -25,7 +26,33 @@ from nano.generate import UsageError, add_engine_args, engine_from_args, resolve
 from nano.kv_cache import kv_bytes_per_token
 from nano.sampling import SamplingParams
 
-H200_COPY_BANDWIDTH = 4.15e12  # bytes/s, device-to-device copy measured on an H200 (design.md section 6)
+
+
+def measure_copy_bandwidth(device, nbytes: int = 1 << 30) -> float:
+    """Bytes/s of a device-to-device copy, counting bytes read and written: the practical peak
+    that every memory-bound kernel is measured against. Median of 20 copies of 1 GiB."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * nbytes / statistics.median(times)
+
+
+def describe_bandwidth(args, device) -> float:
+    """The peak bandwidth (bytes/s) the floor is computed from; prints where it came from."""
+    if args.peak_bandwidth:
+        print(f"peak bandwidth {args.peak_bandwidth:.0f} GB/s (given)")
+        return args.peak_bandwidth * 1e9
+    peak = measure_copy_bandwidth(device)
+    print(f"{torch.cuda.get_device_name(device)}: device-to-device copy {peak / 1e9:.0f} GB/s (measured now)")
+    return peak
 
 
 def weight_bytes_per_step(model, batch_size: int) -> float:
@@ -70,6 +97,8 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, nargs="+", default=[1])
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=8)
+    p.add_argument("--peak-bandwidth", type=float, default=None,
+                   help="GB/s to compute the floor from (default: measure a device copy at start)")
     add_engine_args(p)
     args = p.parse_args(argv)
     if min(args.batch_size) < 1 or args.input_len < 1 or args.output_len < 2:
@@ -87,6 +116,7 @@ def main(argv=None):
     graphs = "on" if engine.graph_runner is not None else "off"
     print(f"{engine.cfg.architecture}, {engine.dtype}, {engine.device}, CUDA graphs {graphs}, "
           f"attention {type(engine.attn).__name__}")
+    peak = describe_bandwidth(args, engine.device) if engine.device.type == "cuda" else None
 
     for bs in args.batch_size:
         run_once(engine, bs, args.input_len, args.output_len, seed=0)  # warm-up
@@ -101,9 +131,8 @@ def main(argv=None):
         achieved = (weights + kv) / median
         line = (f"Bytes read per decode step: {weights / 1e9:.2f} GB weights + {kv / 1e9:.3f} GB KV; "
                 f"achieved {achieved / 1e9:.0f} GB/s")
-        if engine.device.type == "cuda":
-            line += (f" = {achieved / H200_COPY_BANDWIDTH:.0%} of the H200's measured copy bandwidth "
-                     f"(floor {(weights + kv) / H200_COPY_BANDWIDTH * 1e3:.2f} ms)")
+        if peak:
+            line += f" = {achieved / peak:.0%} of the copy bandwidth (floor {(weights + kv) / peak * 1e3:.2f} ms)"
         print(line)
 
 

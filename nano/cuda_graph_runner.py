@@ -5,24 +5,25 @@ driver spend a few microseconds launching each of several hundred kernels, and t
 A CUDA graph records the launches once, with their arguments (pointers, grid sizes), and replays
 the whole sequence with one call. The price: every replay reuses the same memory and the same
 shapes. So the runner
-- captures one graph per batch size in `[1, 2, 4, 8, 16, 24, ..., max_bs]`, largest first, all
-  sharing one memory pool (the graphs never run at once, so they can reuse each other's memory);
+- captures one graph per batch bucket (forward_batch.py: 1, 2, 4, 8, 16, 24, ..., max_bs), largest
+  first, all sharing one memory pool (the graphs never run at once, so they reuse each other's
+  memory). What a graph records is the attention backend's per-pass metadata *and* the model:
+  both run on the device only (the `AttentionBackend` contract);
 - keeps static input buffers sized for max_bs (input_ids, positions, req_pool_indices, seq_lens,
   out_cache_loc); a replay copies the real batch into their first rows and pads the rest with
   harmless values: sequence length 1, KV written to the reserved slot 0;
-- replays the smallest captured size >= the real batch (bisect) and slices the outputs back.
+- replays the graph of the real batch's bucket and slices the outputs back.
 Nothing inside the captured forward may synchronise with the host or depend on tensor values for
 a shape: the attention backend computes its per-batch metadata on the device for that reason.
 Prefill (extend) and batches above max_bs run eagerly.
 """
 
-import bisect
 import sys
 import time
 
 import torch
 
-from nano.forward_batch import ForwardBatch
+from nano.forward_batch import AttentionBackend, ForwardBatch, batch_bucket
 
 
 class GraphCaptureError(RuntimeError):
@@ -30,12 +31,8 @@ class GraphCaptureError(RuntimeError):
 
 
 def capture_batch_sizes(max_bs: int) -> list[int]:
-    return [bs for bs in [1, 2, 4, 8] if bs <= max_bs] + list(range(16, max_bs + 1, 8))
-
-
-def padded_batch_size(batch_sizes: list[int], bs: int) -> int:
-    """The smallest captured size that holds bs requests."""
-    return batch_sizes[bisect.bisect_left(batch_sizes, bs)]
+    """Every bucket up to max_bs."""
+    return sorted({batch_bucket(bs) for bs in range(1, max_bs + 1) if batch_bucket(bs) <= max_bs})
 
 
 class StaticDecodeInputs:
@@ -60,24 +57,30 @@ class StaticDecodeInputs:
             seq_lens_cpu=[1] * bs,  # never read on the decode path; keeps batch_size right
         )
 
-    def fill(self, batch: ForwardBatch, padded_bs: int):
-        """Copy the real batch into the first rows; make rows bs..padded_bs harmless: length 1,
-        position 0, K/V written to the reserved slot 0."""
-        bs = batch.batch_size
+    def fill(self, batch: ForwardBatch) -> int:
+        """Copy the real batch into the first rows and pad it to its bucket -> the padded size.
+        Padded rows are harmless: length 1, position 0, K/V written to the reserved slot 0."""
+        bs, padded_bs = batch.batch_size, batch_bucket(batch.batch_size)
         for name in ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens"):
             static = getattr(self, name)
             static[:bs].copy_(getattr(batch, name))
             static[bs:padded_bs] = 1 if name == "seq_lens" else 0
+        return padded_bs
 
 
 class CudaGraphRunner:
-    def __init__(self, engine, max_bs: int):
-        self.model, self.attn = engine.model, engine.attn
-        self.batch_sizes = capture_batch_sizes(min(max_bs, engine.req_to_token_pool.req_to_token.shape[0]))
+    def __init__(self, model, attn: AttentionBackend, max_bs: int, device, log: bool = True):
+        self.model, self.attn = model, attn
+        self.batch_sizes = capture_batch_sizes(max_bs)
         self.max_bs = self.batch_sizes[-1]
-        self.inputs = StaticDecodeInputs(self.max_bs, engine.device)
+        self.inputs = StaticDecodeInputs(self.max_bs, device)
         self.graphs, self.logits = {}, {}
-        self.capture(engine.log)
+        self.capture(log)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """What a graph records: the backend's metadata for the batch, then the model."""
+        self.attn.init_forward_metadata(batch)
+        return self.model(batch, self.attn)
 
     def capture(self, log: bool):
         started, free_before = time.perf_counter(), torch.cuda.mem_get_info()[0]
@@ -89,11 +92,11 @@ class CudaGraphRunner:
             batch = self.inputs.batch(bs)
             try:
                 for _ in range(2):  # warm-up: compiles Triton kernels, settles the allocator
-                    self.model(batch, self.attn)
+                    self.forward(batch)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self.logits[bs] = self.model(batch, self.attn)
+                    self.logits[bs] = self.forward(batch)
             except torch.cuda.OutOfMemoryError:
                 raise GraphCaptureError(
                     f"out of GPU memory while capturing the CUDA graph for batch size {bs}: lower "
@@ -109,7 +112,6 @@ class CudaGraphRunner:
         return batch.is_decode and batch.batch_size <= self.max_bs
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
-        padded_bs = padded_batch_size(self.batch_sizes, batch.batch_size)
-        self.inputs.fill(batch, padded_bs)
+        padded_bs = self.inputs.fill(batch)
         self.graphs[padded_bs].replay()
         return self.logits[padded_bs][: batch.batch_size]

@@ -16,8 +16,8 @@ per token and layer instead of 5120, and decode reads 9x fewer bytes. The absorb
 extra matmuls per query (q_nope -> q_lat, o_lat -> o), cheap next to reading the cache. We use it
 for prefill too, so the backend sees one layout; there it does ~3x the attention flops of the
 expanded form (576 + 512 channels a head instead of 192 + 128), a trade to revisit for long prompts.
-`use_mla=False` expands K/V per head instead (the seed system's non-MLA mode): plain multi-head
-attention with a 5120-value cache row, for comparison.
+`use_mla=False` expands K/V per head instead: plain multi-head attention with a 5120-value cache
+row, for comparison.
 
 Rope touches only q_pe and k_pe (the "decoupled" rope key: a rotation cannot be absorbed into
 W_UK, so it rides on separate channels). DeepSeek checkpoints pair channels (2j, 2j+1) for the
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nano.config import ModelConfig
-from nano.forward_batch import ForwardBatch
+from nano.forward_batch import ForwardBatch, batch_bucket
 from nano.model import CausalLM, DecoderLayer, Linear, RMSNorm, SwiGLU
 from nano.moe_kernels import expert_matvec
 from nano.rope import RotaryEmbedding, yarn_mscale
@@ -76,12 +76,6 @@ class MLAttention(nn.Module):
         if mscale_all_dim:
             self.scale *= yarn_mscale(cfg.rope_scaling["factor"], mscale_all_dim) ** 2
 
-    def absorb_kv_b_proj(self):
-        """After load: per-head views of kv_b_proj for the absorbed form (no copies)."""
-        per_head = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.latent_dim)
-        self.w_uk = per_head[:, : self.nope_dim]  # [H, 128, 512]: latent -> k_nope
-        self.w_uv = per_head[:, self.nope_dim :]  # [H, 128, 512]: latent -> v
-
     def forward(self, x, batch: ForwardBatch, attn):
         num_tokens = x.shape[0]
         if self.q_lora:
@@ -100,11 +94,15 @@ class MLAttention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
 
     def _attend_absorbed(self, q_nope, q_pe, c, k_pe, batch, attn):
-        q_lat = torch.einsum("thn,hnc->thc", q_nope, self.w_uk)  # [T, H, 512]
+        # Per-head views of kv_b_proj (no copies), taken afresh each call so they follow the
+        # weight through any later `.to()`.
+        per_head = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.latent_dim)
+        w_uk, w_uv = per_head.split([self.nope_dim, self.v_dim], dim=1)  # [H, 128, 512]: latent -> k_nope, v
+        q_lat = torch.einsum("thn,hnc->thc", q_nope, w_uk)  # [T, H, 512]
         query = torch.cat([q_lat, q_pe], dim=-1)  # [T, H, 576]
         key = torch.cat([c.unsqueeze(1), k_pe], dim=-1)  # [T, 1, 576]: the cached row
         o_lat = attn.forward(query, key, None, self.layer_id, batch, self.scale)  # [T, H, 512]
-        return torch.einsum("thc,hvc->thv", o_lat, self.w_uv)  # [T, H, 128]
+        return torch.einsum("thc,hvc->thv", o_lat, w_uv)  # [T, H, 128]
 
     def _attend_expanded(self, q_nope, q_pe, c, k_pe, batch, attn):
         num_tokens = c.shape[0]
@@ -126,7 +124,6 @@ class MoE(nn.Module):
         super().__init__()
         self.num_experts, self.top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
         self.norm_topk_prob, self.routed_scaling_factor = cfg.norm_topk_prob, cfg.routed_scaling_factor
-        self.matvec_max_tokens = 1 << (max(self.num_experts // self.top_k, 1).bit_length() - 1)  # see forward
         hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size
         self.gate = Linear(hidden, cfg.n_routed_experts, dtype=torch.float32)  # the router, see route()
         # All experts' weights stacked, so a batch of expert ids can index them on the device.
@@ -147,42 +144,41 @@ class MoE(nn.Module):
 
     def route(self, x) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (weights [T, k] float32, expert ids [T, k])."""
-        # In float32, as DeepSeek does (the router's weight is kept in float32 too, so nothing is
-        # converted per step): bf16 rounding would flip the choice between close experts.
-        scores = F.linear(x.float(), self.gate.weight).softmax(dim=-1)  # [T, E]
+        # In float32, as DeepSeek does: bf16 rounding would flip the choice between close experts.
+        # The loader keeps the router's weight in float32, so `.float()` is free; a module cast to
+        # another dtype after construction still routes correctly, paying one conversion a step.
+        scores = F.linear(x.float(), self.gate.weight.float()).softmax(dim=-1)  # [T, E]
         weights, ids = scores.topk(self.top_k, dim=-1)
         # DeepSeek-V2's rule: renormalise the chosen weights *or* scale them, never both.
         if self.top_k > 1 and self.norm_topk_prob:
             return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20), ids
         return weights * self.routed_scaling_factor, ids
 
-    def forward(self, x):
-        """Three forms of the same sum, chosen by the number of tokens T (a shape, never a value):
-        - matvec (small decode batches, on CUDA): a fused kernel (moe_kernels.py) runs each
+    def form(self, num_tokens: int, on_cuda: bool) -> str:
+        """Which of three forms of the same sum runs, chosen from the number of tokens (a shape,
+        never a value), so a CUDA graph can capture it:
+        - "matvec" (small decode batches, on CUDA): a fused kernel (moe_kernels.py) runs each
           (token, chosen expert) pair as a matrix-vector product, reading that expert's weights in
-          place. Its cost grows with the pairs, about one expert's bytes each (pairs that share an
-          expert share some of them through L2), so it pays while there are no more pairs than
-          experts (T k <= E), rounded down to a power of two (T <= 8 for V2-Lite): every CUDA-graph
-          batch size up to 16 is a power of two, so a batch padded for a graph picks the same
-          form as the same batch run eagerly, and the two give the same tokens. On an H200 a V2-Lite layer's routed experts
-          take about 40 us at T = 1 (dense 272, copying the chosen experts out first 98) and break
-          even with dense at about T = 12;
-        - dense (larger decode batches): run every expert on every token and zero the unchosen ones
-          through a [T, E] weight matrix. It wastes flops (E/k times the needed) but reads each
-          expert once, which a large decode batch does anyway, since it hits almost all of them;
-        - grouped (prefill): sort the (token, expert) pairs by expert and run each expert on its
+          place. Its cost grows with the pairs, about one expert's bytes each, so it pays while
+          there are no more pairs than experts (T k <= E). T is taken as its batch bucket
+          (forward_batch.py), so a batch padded for a graph picks the same form as the same batch
+          run eagerly, and the two give the same tokens;
+        - "dense" (larger decode batches): run every expert on every token and zero the unchosen
+          ones through a [T, E] weight matrix. It wastes flops (E/k times the needed) but reads
+          each expert once, which a large decode batch does anyway, since it hits almost all;
+        - "grouped" (prefill): sort the (token, expert) pairs by expert and run each expert on its
           own tokens. Sizes depend on the routing, so the host must see them (one sync): fine for
           prefill, which is never captured, and it does only the needed flops.
-        Both decode forms keep static shapes and device-side indexing, so a graph can capture them.
         On CPU (the reference) decode batches run dense."""
+        if on_cuda and batch_bucket(num_tokens) * self.top_k <= self.num_experts:
+            return "matvec"
+        if num_tokens <= STATIC_MOE_MAX_TOKENS or (on_cuda and torch.cuda.is_current_stream_capturing()):
+            return "dense"
+        return "grouped"
+
+    def forward(self, x):
         weights, ids = self.route(x)
-        num_tokens = x.shape[0]
-        if x.is_cuda and num_tokens <= self.matvec_max_tokens:
-            routed = self.matvec(x, weights, ids)
-        elif num_tokens <= STATIC_MOE_MAX_TOKENS or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-            routed = self.dense(x, weights, ids)
-        else:
-            routed = self.grouped(x, weights, ids)
+        routed = getattr(self, self.form(x.shape[0], x.is_cuda))(x, weights, ids)  # a method per form
         return routed if self.shared_experts is None else routed + self.shared_experts(x)
 
     def matvec(self, x, weights, ids):
@@ -218,8 +214,7 @@ def _swiglu(x, w13, w2):
 
 
 class DeepseekV2(CausalLM):
-    """CausalLM plus the loading steps DeepSeek needs: stacked experts, rope rows reordered,
-    absorbed attention weights."""
+    """CausalLM plus the loading steps DeepSeek needs: stacked experts, rope rows reordered."""
 
     def checkpoint_layout(self):
         layout = super().checkpoint_layout()  # every Linear and RMSNorm, by its module path
@@ -238,11 +233,6 @@ class DeepseekV2(CausalLM):
             latent, rope = tensor.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim])
             return torch.cat([latent, _pairs_to_halves(rope)])
         return tensor
-
-    def after_load(self):
-        for layer in self.layers:
-            if layer.self_attn.use_mla:
-                layer.self_attn.absorb_kv_b_proj()
 
 
 def _pairs_to_halves(rows):

@@ -26,7 +26,7 @@ import torch
 from nano.config import load_config
 from nano.forward_batch import ForwardBatch
 from nano.kv_cache import KVPool, ReqToTokenPool, SlotAllocator, kv_bytes_per_token, slots_for_memory
-from nano.model import load_model
+from nano.loader import load_model
 from nano.sampling import SamplingParams, sample
 from nano.torch_attn import TorchAttnBackend
 
@@ -89,7 +89,8 @@ class Engine:
         if cuda_graph:
             from nano.cuda_graph_runner import CudaGraphRunner
 
-            self.graph_runner = CudaGraphRunner(self, cuda_graph_max_bs)
+            self.graph_runner = CudaGraphRunner(self.model, self.attn, min(cuda_graph_max_bs, max_requests),
+                                                self.device, log)
 
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Request] = deque()
@@ -162,7 +163,7 @@ class Engine:
         batch = ForwardBatch.extend(
             [t for r in reqs for t in r.prompt_ids], [0] * len(reqs), lens, [r.row for r in reqs], slots, self.device
         )
-        logits = self.model(batch, self.attn)
+        logits = self._forward(batch)
         self.running.extend(reqs)
         return self._sample_and_retire(reqs, logits)
 
@@ -175,11 +176,15 @@ class Engine:
         batch = ForwardBatch.decode([r.output_ids[-1] for r in reqs], seq_lens, [r.row for r in reqs], slots,
                                     self.device)
         self.req_to_token_pool.req_to_token[batch.req_pool_indices, batch.positions] = slots
+        return self._sample_and_retire(list(reqs), self._forward(batch))
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """One forward pass -> logits [B, vocab]: a graph replay when one fits the batch, else the
+        backend's per-pass metadata and the model, eagerly (the same two steps a graph recorded)."""
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            logits = self.graph_runner.replay(batch)
-        else:
-            logits = self.model(batch, self.attn)
-        return self._sample_and_retire(list(reqs), logits)
+            return self.graph_runner.replay(batch)
+        self.attn.init_forward_metadata(batch)
+        return self.model(batch, self.attn)
 
     def _sample_and_retire(self, reqs: list[Request], logits: torch.Tensor) -> list[tuple[Request, int]]:
         tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs]).tolist()

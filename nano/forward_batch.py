@@ -11,11 +11,26 @@ each request carries its row in `req_to_token` and its length after this pass (`
 Tensors live on the device. The `*_cpu` lists are host copies for code that needs Python ints
 (the torch reference attention, the extend kernel's grid); the decode path never reads them, so a
 CUDA graph can replay it.
+
+This module also holds the contract between a decode pass and the CUDA-graph runner
+(cuda_graph_runner.py), which records a decode pass once per batch size and replays it:
+- `AttentionBackend`: what the model asks of attention, and what a graph needs from it;
+- `batch_bucket`: the sizes graphs are captured at. A real batch of B requests is padded to
+  `batch_bucket(B)` rows before replay. Every choice a pass makes from its batch size (how many
+  splits decode attention uses, which MoE form runs) is made from the bucket, so a padded batch
+  computes exactly what the same batch run eagerly computes, and both give the same tokens.
 """
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+
+
+def batch_bucket(bs: int) -> int:
+    """bs rounded up to a power of two up to 8, then to a multiple of 8: 1, 2, 4, 8, 16, 24, ...
+    Rounding a bucket again changes nothing, which is what keeps graph and eager runs alike."""
+    return 1 << (bs - 1).bit_length() if bs <= 8 else -(-bs // 8) * 8
 
 
 @dataclass
@@ -79,3 +94,19 @@ class ForwardBatch:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
             seq_lens_cpu=list(seq_lens),
         )
+
+
+class AttentionBackend(Protocol):
+    """Attention over the KV pool, as the model uses it (torch_attn.py, triton_attn.py).
+
+    For CUDA graphs a backend promises: `init_forward_metadata` of a decode batch works on the
+    device only (no host reads, no allocation), so the graph runner captures it together with the
+    model; every buffer it writes is allocated once, at the largest batch size; and any choice it
+    makes from the batch size goes through `batch_bucket`."""
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        """Per-pass state shared by every layer (e.g. decode split counts). Called once per pass."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, layer_id: int,
+                batch: ForwardBatch, scale: float) -> torch.Tensor:
+        """Store the new tokens' k/v in the pool, attend -> [T, H, v_dim]."""

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from nano.config import ConfigError, load_config
-from nano.model import WeightError
+from nano.loader import WeightError
 from nano.sampling import SamplingParams
 
 SHIPPED_CONFIGS = Path(__file__).parent / "configs"  # config.json of known shapes, for --load-format dummy
@@ -156,7 +156,7 @@ def run(args):
             raise UsageError(f"prompt {i + 1}: {e}") from None
     print(f"{len(requests)} prompt(s), {sum(len(r.prompt_ids) for r in requests)} prompt tokens", file=sys.stderr)
 
-    decoders = {r.rid: StreamDecoder(tokenizer) for r in requests}
+    decoders = {r.rid: StreamDecoder(tokenizer, r.prompt_ids) for r in requests}
     texts = {r.rid: [] for r in requests}
     next_to_print = 0
     while engine.has_work():

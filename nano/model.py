@@ -1,4 +1,4 @@
-"""The model: the Llama forward pass, the pieces DeepSeek-V2 (deepseek.py) builds on, and weight loading.
+"""The model: the Llama forward pass and the pieces DeepSeek-V2 (deepseek.py) builds on.
 
 A decoder-only transformer turns a batch of token ids into next-token logits:
 embed -> N x (RMSNorm -> attention -> add, RMSNorm -> MLP -> add) -> RMSNorm -> lm_head.
@@ -15,27 +15,18 @@ Three things make the code below differ from a training implementation:
   GPU: triton_ops.py), so a layer hands on its output and the residual stream separately.
 - only the last token of each request gets logits: that is all sampling needs.
 
-Weights are loaded tensor by tensor straight onto the target device, so an 8B model never needs
-twice its size in host memory. The dummy load format fills the same shapes with random numbers,
-for benchmarks without a download.
+Loading weights into these modules is loader.py's job; each model only says where a checkpoint
+tensor goes (`checkpoint_layout`).
 """
-
-import json
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
 
 from nano.config import ModelConfig
 from nano.forward_batch import ForwardBatch
 from nano.rope import RotaryEmbedding
 from nano.triton_ops import fused_add_rms_norm, rms_norm, silu_and_mul
-
-
-class WeightError(ValueError):
-    """Missing, mis-shaped or unreadable weights; the message is shown to the user as is."""
 
 
 class Linear(nn.Module):
@@ -135,8 +126,8 @@ class CausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
 
     def forward(self, batch: ForwardBatch, attn) -> torch.Tensor:
-        """-> logits [B, vocab] (float32) of each request's last token."""
-        attn.init_forward_metadata(batch)
+        """-> logits [B, vocab] (float32) of each request's last token. The caller has run
+        `attn.init_forward_metadata(batch)` (engine.py, cuda_graph_runner.py)."""
         x, residual = F.embedding(batch.input_ids, self.embed_tokens), None  # [T, hidden]
         for layer in self.layers:
             x, residual = layer(x, residual, batch, attn)
@@ -164,9 +155,6 @@ class CausalLM(nn.Module):
         """Reshuffle a checkpoint tensor before it is copied in (DeepSeek overrides this)."""
         return tensor
 
-    def after_load(self):
-        """Derive weights from the loaded ones (DeepSeek overrides this)."""
-
 
 # Which checkpoint matrices were stacked into which of our fused weights, in order.
 STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -189,89 +177,3 @@ def build_llama(cfg: ModelConfig) -> CausalLM:
         for i in range(cfg.num_layers)
     ]
     return CausalLM(cfg, layers)
-
-
-def build_model(cfg: ModelConfig, use_mla: bool) -> CausalLM:
-    if cfg.is_deepseek:
-        from nano.deepseek import build_deepseek_v2  # deepseek.py builds on the pieces above
-
-        return build_deepseek_v2(cfg, use_mla)
-    return build_llama(cfg)
-
-
-def load_model(cfg: ModelConfig, model_dir, device, dtype: torch.dtype, load_format: str = "safetensors",
-               use_mla: bool = True, seed: int = 0) -> CausalLM:
-    """Build the model on `device` in `dtype` and fill its weights ("safetensors" or "dummy")."""
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = build_model(cfg, use_mla)
-    finally:
-        torch.set_default_dtype(default_dtype)
-    if load_format == "dummy":
-        _fill_random(model, seed)
-    else:
-        _load_safetensors(model, Path(model_dir))
-    model.after_load()
-    return model.eval()
-
-
-def _fill_random(model: CausalLM, seed: int):
-    """Random weights in the real shapes: norms near 1, matrices small enough to keep
-    activations bounded through many layers."""
-    gen = torch.Generator(device=model.embed_tokens.device).manual_seed(seed)
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.data.uniform_(0.9, 1.1, generator=gen)
-        else:
-            p.data.normal_(0, 0.02, generator=gen)
-
-
-def _checkpoint_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise WeightError(f"{index}: malformed index ({e})") from None
-        files = [model_dir / f for f in sorted(set(weight_map.values()))]
-    else:
-        files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise WeightError(f"{model_dir}: no *.safetensors weights found")
-    for f in files:
-        if not f.is_file():
-            raise WeightError(f"{f}: weight file named in the index is missing")
-    return files
-
-
-def _load_safetensors(model: CausalLM, model_dir: Path):
-    layout = model.checkpoint_layout()
-    loaded = set()
-    device = model.embed_tokens.device
-    for path in _checkpoint_files(model_dir):
-        try:
-            with safe_open(path, framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    if name not in layout:
-                        continue  # e.g. rotary_emb.inv_freq, or lm_head of a tied model
-                    param, index = layout[name]
-                    target = param.data[index]
-                    tensor = f.get_tensor(name)
-                    if tensor.shape != target.shape:
-                        raise WeightError(
-                            f"{path.name}: tensor {name} has shape {list(tensor.shape)}, "
-                            f"expected {list(target.shape)}"
-                        )
-                    target.copy_(model.prepare_checkpoint_tensor(name, tensor).to(device))
-                    loaded.add(name)
-        except WeightError:
-            raise
-        except Exception as e:  # safetensors raises its own types for truncated or corrupt files
-            raise WeightError(f"{path}: cannot read weights ({e})") from None
-    missing = sorted(set(layout) - loaded)
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise WeightError(f"{model_dir}: missing tensor {missing[0]}{more}")
-

@@ -23,14 +23,12 @@ running side by side are all the pairs at the same few row blocks: pairs that ch
 expert read the same tile at about the same time, and some of the repeats hit in L2. Only some:
 past about as many pairs as experts, reading every expert once (MoE.dense) is cheaper.
 
-Sizing for bf16 on an H200 (hidden 2048, expert width 1408): 8 bf16 values are one 16-byte
+Sizing for bf16 (hidden 2048, expert width 1408): 8 bf16 values are one 16-byte
 load, so a warp covers BLOCK_K = 256 columns of a row; BLOCK_N = 32 rows over 4 warps give each
 thread eight such loads (128 bytes) per step, all issued before any is used, and a float32 tile
 of 64 registers. At batch 1 the up/gate product (N = 2816) runs 6 * 88 = 528 programs and the
-down product (N = 2048) 384, a few per multiprocessor, so all 132 keep tens of kilobytes in
-flight: what streaming at full bandwidth takes. Measured there at batch 1 (a graph of back-to-back
-calls, launch gaps included): 21 us for up/gate (3.3 TB/s of 4.15), 13 us for down (2.6 TB/s:
-fewer programs); 16x512, 8x1024 and 32x512 with 8 warps were within 10% of that.
+down product (N = 2048) 384, a few per multiprocessor, so all of an H200's 132 keep tens of
+kilobytes in flight: what streaming at full bandwidth takes (BENCHMARKS.md has the timings).
 
 Shapes depend only on T, k, N and K, never on the ids, so a CUDA graph can capture the kernel.
 """

@@ -6,11 +6,11 @@ tokens. Long-context variants only change the frequencies:
 - linear: divide every frequency by `factor` (positions are squeezed);
 - llama3 (Llama-3.1): keep high frequencies, divide low ones by `factor`, blend in between;
 - yarn (DeepSeek-V2): the same idea with a ramp over channel index, plus a magnitude correction
-  `mscale` folded into cos/sin (and, for DeepSeek, into the softmax scale: see model.py).
+  `mscale` folded into cos/sin (and, for DeepSeek, into the softmax scale: see deepseek.py).
 
 We precompute one cos/sin table for every position once, and rotate "halves" (channel i pairs with
 channel i + d/2, the NeoX/HF-Llama convention). DeepSeek checkpoints pair neighbours (2j, 2j+1)
-instead; model.py permutes those weight rows at load time so the same rotation serves both.
+instead; deepseek.py permutes those weight rows at load time so the same rotation serves both.
 """
 
 import math

@@ -44,12 +44,12 @@ import torch
 import triton
 import triton.language as tl
 
-from nano.forward_batch import ForwardBatch
+from nano.forward_batch import ForwardBatch, batch_bucket
 from nano.kv_cache import KVPool
 
 # The most chunks one request's tokens are split into, and so the size of the partial-result
 # buffers: max_batch_size * heads * 64 * v_dim floats (Llama-3-8B at 160 requests: 168 MB; MLA:
-# 336 MB). On an H200, one request of 16k tokens ran 2.3x (MLA 3x) faster with 64 than with 16.
+# 336 MB). One long request needs many splits to keep every multiprocessor reading.
 MAX_KV_SPLITS = 64
 # A split that reads less than this (per KV head) costs more in writing and merging its partial
 # output than it gains: 128 tokens of Llama's K+V, 56 of MLA's 576-wide rows.
@@ -93,15 +93,12 @@ class TritonAttnBackend:
         if not batch.is_decode:
             self.max_extend_len = max(batch.extend_lens_cpu)
             return
+        # Splits are worth it while the batch alone does not fill the GPU. The cap depends only on
+        # the batch's bucket (forward_batch.py), so a captured graph stays valid and a padded batch
+        # splits exactly like the same batch run eagerly. Within the cap, a request gets one split
+        # per min_split_tokens tokens: short requests are not chopped into slivers.
         bs = batch.seq_lens.shape[0]
-        # Splits are worth it while the batch alone does not fill the GPU; this cap depends only
-        # on the batch size, so a captured graph stays valid. It is computed from bs rounded up to
-        # a power of two: a batch padded to a CUDA-graph size (powers of two, then multiples of 8)
-        # rounds to the same power as the real batch run eagerly, so both split alike and give the
-        # same tokens. Within the cap, a request gets one split per min_split_tokens tokens: short
-        # requests are not chopped into slivers.
-        bs_bucket = triton.next_power_of_2(bs)
-        cap = max(1, min(self.max_kv_splits, triton.cdiv(self.target_programs, bs_bucket * self.num_kv_heads)))
+        cap = max(1, min(self.max_kv_splits, triton.cdiv(self.target_programs, batch_bucket(bs) * self.num_kv_heads)))
         wanted = torch.div(batch.seq_lens + (self.min_split_tokens - 1), self.min_split_tokens, rounding_mode="floor")
         torch.clamp(wanted, 1, cap, out=self.num_kv_splits[:bs])
 

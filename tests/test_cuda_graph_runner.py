@@ -4,8 +4,10 @@ against eager decoding on the GPU (skipped without CUDA)."""
 import pytest
 import torch
 
-from nano.cuda_graph_runner import StaticDecodeInputs, capture_batch_sizes, padded_batch_size
-from nano.forward_batch import ForwardBatch
+from nano.config import load_config
+from nano.cuda_graph_runner import StaticDecodeInputs, capture_batch_sizes
+from nano.forward_batch import ForwardBatch, batch_bucket
+from nano.generate import SHIPPED_CONFIGS
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -14,8 +16,8 @@ def test_capture_sizes_and_bucketing():
     sizes = capture_batch_sizes(160)
     assert sizes[:6] == [1, 2, 4, 8, 16, 24] and sizes[-1] == 160 and sizes == sorted(sizes)
     assert capture_batch_sizes(6) == [1, 2, 4]
-    assert [padded_batch_size(sizes, bs) for bs in (1, 2, 3, 5, 8, 9, 17, 159, 160)] == [
-        1, 2, 4, 8, 8, 16, 24, 160, 160]
+    assert capture_batch_sizes(100)[-1] == 96
+    assert [batch_bucket(bs) for bs in (1, 2, 3, 5, 8, 9, 17, 159, 160)] == [1, 2, 4, 8, 8, 16, 24, 160, 160]
 
 
 def test_fill_copies_real_rows_and_pads_harmlessly():
@@ -24,16 +26,51 @@ def test_fill_copies_real_rows_and_pads_harmlessly():
         buf.fill_(77)  # poison: every row must be written
     batch = ForwardBatch.decode([5, 6, 7], [10, 3, 42], [2, 0, 9],
                                 torch.tensor([31, 32, 33], dtype=torch.int32), "cpu")
-    inputs.fill(batch, padded_bs=8)
-    assert inputs.input_ids[:8].tolist() == [5, 6, 7, 0, 0, 0, 0, 0]
-    assert inputs.positions[:8].tolist() == [9, 2, 41, 0, 0, 0, 0, 0]
-    assert inputs.out_cache_loc[:8].tolist() == [31, 32, 33, 0, 0, 0, 0, 0]  # padding writes slot 0
-    assert inputs.req_pool_indices[:8].tolist() == [2, 0, 9, 0, 0, 0, 0, 0]
-    assert inputs.seq_lens[:8].tolist() == [10, 3, 42, 1, 1, 1, 1, 1]
+    assert inputs.fill(batch) == 4
+    inputs.seq_lens[4:8] = 5  # a 5-request batch's padding leaves the others' rows untouched
+    assert inputs.fill(ForwardBatch.decode([5, 6, 7, 8, 9], [10, 3, 42, 7, 7], [2, 0, 9, 1, 3],
+                                           torch.tensor([31, 32, 33, 34, 35], dtype=torch.int32), "cpu")) == 8
+    assert inputs.input_ids[:8].tolist() == [5, 6, 7, 8, 9, 0, 0, 0]
+    assert inputs.positions[:8].tolist() == [9, 2, 41, 6, 6, 0, 0, 0]
+    assert inputs.out_cache_loc[:8].tolist() == [31, 32, 33, 34, 35, 0, 0, 0]  # padding writes slot 0
+    assert inputs.req_pool_indices[:8].tolist() == [2, 0, 9, 1, 3, 0, 0, 0]
+    assert inputs.seq_lens[:8].tolist() == [10, 3, 42, 7, 7, 1, 1, 1]
     assert inputs.seq_lens[8:].tolist() == [77] * 8  # rows past the padded size are not read
     view = inputs.batch(8)
     assert view.batch_size == 8 and view.is_decode
     assert view.input_ids.data_ptr() == inputs.input_ids.data_ptr()  # views, not copies
+
+
+def test_padding_to_the_graph_size_changes_no_choice():
+    """The graph contract: for every batch size a graph serves, the batch padded as a replay pads
+    it chooses the same decode-attention splits and the same MoE form as the batch itself, run
+    eagerly. Any rounding applied in one place only (capture list, padding, split cap, MoE
+    threshold) breaks this, and graph and eager tokens would part."""
+    from nano.deepseek import MoE
+    from nano.kv_cache import KVPool
+    from nano.triton_attn import TritonAttnBackend
+
+    max_bs, sizes = 160, capture_batch_sizes(160)
+    llama, deepseek = load_config(SHIPPED_CONFIGS / "llama-3-8b"), load_config(SHIPPED_CONFIGS / "deepseek-v2-lite")
+    with torch.device("meta"):  # only shapes are needed: nothing is allocated
+        moe = MoE(deepseek)
+    req_to_token = torch.zeros(max_bs, 8, dtype=torch.int32)
+    backends = [TritonAttnBackend(KVPool(cfg, 2, torch.bfloat16, "cpu", use_mla=True), req_to_token, max_bs,
+                                  cfg.num_heads) for cfg in (llama, deepseek)]
+    inputs = StaticDecodeInputs(max_bs, "cpu")
+    g = torch.Generator().manual_seed(0)
+    for bs in range(1, max_bs + 1):
+        seq_lens = torch.randint(1, 20000, (bs,), generator=g).tolist()
+        batch = ForwardBatch.decode([1] * bs, seq_lens, list(range(bs)), torch.ones(bs, dtype=torch.int32), "cpu")
+        padded_bs = inputs.fill(batch)
+        assert padded_bs in sizes and padded_bs >= bs
+        for backend in backends:
+            backend.init_forward_metadata(batch)
+            eager_splits = backend.num_kv_splits[:bs].clone()
+            backend.init_forward_metadata(inputs.batch(padded_bs))
+            assert backend.num_kv_splits[:bs].tolist() == eager_splits.tolist(), f"batch {bs}: splits differ"
+        assert moe.form(bs, on_cuda=True) == moe.form(padded_bs, on_cuda=True), f"batch {bs}: MoE forms differ"
+    assert {moe.form(bs, on_cuda=True) for bs in range(1, max_bs + 1)} == {"matvec", "dense"}  # both are exercised
 
 
 def _random_prompts(n, vocab, seed):
@@ -50,7 +87,7 @@ class EagerReplay:
 
     def replay(self):
         runner = self.runner
-        runner.logits[self.bs].copy_(runner.model(runner.inputs.batch(self.bs), runner.attn))
+        runner.logits[self.bs].copy_(runner.forward(runner.inputs.batch(self.bs)))
 
 
 @requires_cuda
@@ -100,10 +137,9 @@ def test_out_of_memory_during_capture_names_the_knobs(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (0, 0))
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    engine = SimpleNamespace(model=model, attn=None, device="cpu", log=False,
-                             req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(256, 8)))
+    attn = SimpleNamespace(init_forward_metadata=lambda batch: None)
     with pytest.raises(GraphCaptureError) as err:
-        CudaGraphRunner(engine, max_bs=160)
+        CudaGraphRunner(model, attn, max_bs=160, device="cpu", log=False)
     message = str(err.value)
     assert "\n" not in message and "batch size 160" in message
     assert "--cuda-graph-max-bs" in message and "--mem-fraction" in message
