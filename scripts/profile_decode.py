@@ -14,7 +14,7 @@ from nano.sampling import SamplingParams  # noqa: E402
 
 shape, bs = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1
 engine = Engine(SHIPPED_CONFIGS / shape, device="cuda", dtype=torch.bfloat16, attention_backend="triton",
-                load_format="dummy", max_total_tokens=4096, max_requests=max(bs, 8), cuda_graph=True,
+                load_format="dummy", max_total_tokens=bs * 200 + 1, max_requests=max(bs, 8), cuda_graph=True,
                 cuda_graph_max_bs=max(bs, 8), log=False)
 for _ in range(bs):
     engine.add_request(list(range(10, 138)), SamplingParams(max_new_tokens=40, ignore_eos=True))
@@ -27,7 +27,7 @@ torch.cuda.synchronize()
 times = []
 for _ in range(10):
     t = time.perf_counter(); engine.step(); times.append(time.perf_counter() - t)
-graph = engine.graph_runner.graphs[engine.graph_runner.batch_sizes[0] if bs == 1 else bs]
+graph = engine.graph_runner.graphs[bs]
 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 start.record()
 for _ in range(20):
@@ -39,4 +39,4 @@ print(f"{shape} bs={bs}: engine.step median {sorted(times)[5] * 1e3:.3f} ms; "
 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
     for _ in range(5):
         engine.step()
-print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))

