@@ -53,6 +53,12 @@ def test_triton_backend_matches_torch_on_gpu(shape, monkeypatch):
     assert rel_error < 0.05, rel_error
     same = sum(a == b for a, b in zip(out, ref_out))
     agree = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(out, ref_out)]
-    print(f"{shape}: prefill logits relative error {rel_error:.4f}; {same}/{len(prompts)} requests identical over 32 greedy tokens; "
-          f"tokens before the first difference: {agree}")
-    assert out[0][0] == ref_out[0][0] or same > 0
+    # A request's first token must agree wherever the reference's winning margin exceeds twice the
+    # largest logit difference between the backends: there no rounding can flip the argmax.
+    top2 = ref_logits.topk(2, dim=-1).values
+    decided = (top2[:, 0] - top2[:, 1]) > 2 * (logits - ref_logits).abs().amax(dim=-1)
+    print(f"{shape}: prefill logits relative error {rel_error:.4f}; {same}/{len(prompts)} requests identical over "
+          f"32 greedy tokens; tokens before the first difference: {agree}; first token decided for "
+          f"{int(decided.sum())}/{len(prompts)}")
+    for i in decided.nonzero().flatten().tolist():
+        assert out[i][0] == ref_out[i][0], f"request {i}: first token differs despite a clear margin"
