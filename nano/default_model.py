@@ -24,7 +24,6 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-import gguf
 import numpy as np
 import torch
 from safetensors.torch import save_file
@@ -115,6 +114,8 @@ def download_gguf(download_dir: Path) -> Path:
 
 
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    import gguf  # only the one-time conversion needs it
+
     reader = gguf.GGUFReader(gguf_path)
     meta = {name: field.contents() for name, field in reader.fields.items()}
     tensor_names = {tensor.name for tensor in reader.tensors}
@@ -159,10 +160,13 @@ def _hf_config(meta: dict, tied_embeddings: bool) -> dict:
     }
 
 
-def _hf_state_dict(reader: gguf.GGUFReader, config: dict) -> dict[str, torch.Tensor]:
+def _hf_state_dict(reader, config: dict) -> dict[str, torch.Tensor]:
+    """reader: a gguf.GGUFReader."""
+    from gguf.quants import dequantize
+
     state = {}
     for tensor in reader.tensors:
-        weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        weight = dequantize(tensor.data, tensor.tensor_type)
         if ".attn_q." in tensor.name:
             weight = _undo_rope_row_order(weight, config["num_attention_heads"])
         elif ".attn_k." in tensor.name:

@@ -27,9 +27,11 @@ kinds of pass need two kinds of kernel:
 
 Decode also runs inside a CUDA graph (cuda_graph_runner.py), which replays a fixed sequence of
 kernel launches with fixed arguments. So the decode path never asks the host about tensor
-values: the grid is (batch, KV heads, MAX_SPLITS), programs whose split is empty exit at
-once, the split counts are computed on the device from `seq_lens`, and the buffers for partial
-results are allocated once at the largest batch size and sliced.
+values: the grid is (batch, KV heads, the batch size's split cap), programs whose split is
+empty exit at once, the split counts are computed on the device from `seq_lens`, and the buffers
+for partial results are allocated once at the largest batch size and sliced. The cap matters:
+a grid of 64 splits for each of 160 requests launches 80,000 programs, nearly all empty, and
+scheduling them cost more than the attention itself.
 
 Before either, one small kernel copies the new tokens' K/V into their pool slots (`out_cache_loc`).
 
@@ -67,7 +69,6 @@ class TritonAttnBackend:
                  max_kv_splits: int = MAX_KV_SPLITS):
         self.kv_pool, self.req_to_token = kv_pool, req_to_token
         self.num_heads, self.max_kv_splits = num_heads, max_kv_splits
-        assert max_kv_splits == triton.next_power_of_2(max_kv_splits), "the merge loads all splits as one block"
         _, self.num_kv_heads, self.k_dim = kv_pool.k_buffers[0].shape
         self.v_dim = kv_pool.v_buffers[0].shape[-1]
         self.group = num_heads // self.num_kv_heads  # query heads per KV head
@@ -93,14 +94,18 @@ class TritonAttnBackend:
         if not batch.is_decode:
             self.max_extend_len = max(batch.extend_lens_cpu)
             return
-        # Splits are worth it while the batch alone does not fill the GPU. The cap depends only on
-        # the batch's bucket (forward_batch.py), so a captured graph stays valid and a padded batch
-        # splits exactly like the same batch run eagerly. Within the cap, a request gets one split
-        # per min_split_tokens tokens: short requests are not chopped into slivers.
+        # Within the cap, a request gets one split per min_split_tokens tokens: short requests are
+        # not chopped into slivers.
         bs = batch.seq_lens.shape[0]
-        cap = max(1, min(self.max_kv_splits, triton.cdiv(self.target_programs, batch_bucket(bs) * self.num_kv_heads)))
         wanted = torch.div(batch.seq_lens + (self.min_split_tokens - 1), self.min_split_tokens, rounding_mode="floor")
-        torch.clamp(wanted, 1, cap, out=self.num_kv_splits[:bs])
+        torch.clamp(wanted, 1, self.split_cap(bs), out=self.num_kv_splits[:bs])
+
+    def split_cap(self, bs: int) -> int:
+        """The most splits a request of a batch of bs gets: splits are worth it while the batch alone
+        does not fill the GPU. It depends only on the batch's bucket (forward_batch.py), so a
+        captured graph stays valid, a padded batch splits exactly like the same batch run eagerly,
+        and the decode grid, sized by the cap, launches no programs that could never have work."""
+        return max(1, min(self.max_kv_splits, triton.cdiv(self.target_programs, batch_bucket(bs) * self.num_kv_heads)))
 
     def forward(self, q, k, v, layer_id: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
         """q [T, H, k_dim], k [T, Hkv, k_dim], v [T, Hkv, v_dim] (None for MLA) -> [T, H, v_dim]."""
@@ -150,9 +155,11 @@ class TritonAttnBackend:
 
     def _decode(self, q, k_cache, v_cache, out, batch: ForwardBatch, scale: float):
         bs = q.shape[0]
+        max_splits = self.split_cap(bs)
+        merge_block = triton.next_power_of_2(max_splits)  # the merge loads all splits as one block
         dims = _head_dim_blocks(self.k_dim, self.v_dim)
         block_n, num_warps, num_stages = _decode_config(self.k_dim)
-        _decode_split_kernel[(bs, self.num_kv_heads, self.max_kv_splits)](
+        _decode_split_kernel[(bs, self.num_kv_heads, max_splits)](
             q, k_cache, v_cache, self.partial_out, self.partial_lse,
             self.req_to_token, batch.req_pool_indices, batch.seq_lens, self.num_kv_splits,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
@@ -165,9 +172,9 @@ class TritonAttnBackend:
         _decode_merge_kernel[(bs, self.num_heads)](
             self.partial_out, self.partial_lse, batch.seq_lens, self.num_kv_splits, out,
             *self.partial_out.stride()[:3], *self.partial_lse.stride()[:2], out.stride(0), out.stride(1),
-            V_DIM=self.v_dim, BLOCK_DV=dims["BLOCK_DV"], MAX_SPLITS=self.max_kv_splits,
+            V_DIM=self.v_dim, BLOCK_DV=dims["BLOCK_DV"], MAX_SPLITS=merge_block,
             # enough warps that the [MAX_SPLITS, BLOCK_DV] fp32 tile is at most 64 registers a thread
-            num_warps=min(16, max(4, self.max_kv_splits * dims["BLOCK_DV"] // (32 * 64))),
+            num_warps=min(16, max(4, merge_block * dims["BLOCK_DV"] // (32 * 64))),
         )
 
 
