@@ -41,7 +41,7 @@ from nano.forward_batch import ForwardBatch, batch_bucket
 from nano.model import CausalLM, DecoderLayer, Linear, RMSNorm, SwiGLU
 from nano.moe_kernels import expert_matvec
 from nano.rope import RotaryEmbedding, yarn_mscale
-from nano.triton_ops import silu_and_mul
+from nano.triton_ops import route_top_k, silu_and_mul
 
 # DeepSeek's reference code and HF transformers build the norms inside attention (q_a_layernorm,
 # kv_a_layernorm) with RMSNorm's default eps, not the config's rms_norm_eps (the same value in every
@@ -147,10 +147,13 @@ class MoE(nn.Module):
         # In float32, as DeepSeek does: bf16 rounding would flip the choice between close experts.
         # The loader keeps the router's weight in float32, so `.float()` is free; a module cast to
         # another dtype after construction still routes correctly, paying one conversion a step.
-        scores = F.linear(x.float(), self.gate.weight.float()).softmax(dim=-1)  # [T, E]
-        weights, ids = scores.topk(self.top_k, dim=-1)
+        logits = F.linear(x.float(), self.gate.weight.float())  # [T, E]
         # DeepSeek-V2's rule: renormalise the chosen weights *or* scale them, never both.
-        if self.top_k > 1 and self.norm_topk_prob:
+        renormalize = self.top_k > 1 and self.norm_topk_prob
+        if x.is_cuda:  # the same in one kernel (triton_ops.py)
+            return route_top_k(logits, self.top_k, renormalize, self.routed_scaling_factor)
+        weights, ids = logits.softmax(dim=-1).topk(self.top_k, dim=-1)
+        if renormalize:
             return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20), ids
         return weights * self.routed_scaling_factor, ids
 

@@ -159,3 +159,42 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     _silu_and_mul_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), intermediate,
                                BLOCK=SILU_BLOCK, num_warps=4)
     return out
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, routed_scaling,
+                  TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, BLOCK_E)
+    logits = tl.load(logits_ptr + token * num_experts + experts, mask=experts < num_experts, other=float("-inf"))
+    scores = tl.exp(logits - tl.max(logits, 0))
+    scores = scores / tl.sum(scores, 0)  # softmax [BLOCK_E]; padding lanes are 0
+    slots = tl.arange(0, BLOCK_K)
+    weights = tl.zeros([BLOCK_K], dtype=tl.float32)
+    ids = tl.zeros([BLOCK_K], dtype=tl.int64)
+    for slot in tl.static_range(TOP_K):  # the k best, one pass each: highest score, lowest id on ties
+        best = tl.max(scores, 0)
+        best_id = tl.min(tl.where(scores == best, experts, BLOCK_E), 0)
+        weights = tl.where(slots == slot, best, weights)
+        ids = tl.where(slots == slot, best_id, ids)
+        scores = tl.where(experts == best_id, -1.0, scores)
+    if RENORMALIZE:
+        weights = weights / (tl.sum(weights, 0) + 1e-20)
+    else:
+        weights = weights * routed_scaling
+    tl.store(weights_ptr + token * TOP_K + slots, weights, mask=slots < TOP_K)
+    tl.store(ids_ptr + token * TOP_K + slots, ids, mask=slots < TOP_K)
+
+
+def route_top_k(logits: torch.Tensor, top_k: int, renormalize: bool, routed_scaling: float):
+    """A MoE router's softmax, top-k and weight rule in one launch (torch takes about five: softmax,
+    a sort and a gather for topk, the rescale): logits [T, E] float32 -> (weights [T, k] float32,
+    expert ids [T, k] int64), best first. See deepseek.py's MoE.route for the rule."""
+    num_tokens, num_experts = logits.shape
+    assert logits.dtype == torch.float32 and logits.is_contiguous()
+    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=logits.device)
+    _route_kernel[(num_tokens,)](logits, weights, ids, num_experts, routed_scaling, TOP_K=top_k,
+                                 RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
+                                 BLOCK_K=triton.next_power_of_2(top_k), num_warps=1)
+    return weights, ids

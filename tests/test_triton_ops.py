@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from nano.rope import RotaryEmbedding
-from nano.triton_ops import apply_rope_, fused_add_rms_norm, rms_norm, silu_and_mul
+from nano.triton_ops import apply_rope_, fused_add_rms_norm, rms_norm, route_top_k, silu_and_mul
 from tests.test_triton_attn import nan_allocations
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -133,6 +133,18 @@ def test_rope_on_deepseek_slices(dtype):
 
     positions = torch.tensor([0, 8191, 7, 4096, 5000], device=DEVICE)
     check_rope(rotary, (q, kv_a), carve, positions)
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, top_k", [(5, 64, 6), (3, 10, 3), (160, 64, 6)])
+@pytest.mark.parametrize("renormalize", [False, True], ids=["scaled", "renormalized"])
+def test_route_top_k(num_tokens, num_experts, top_k, renormalize):
+    """The fused router against softmax + topk + the weight rule in torch (float32, as routing is)."""
+    logits = randn(num_tokens, num_experts, dtype=torch.float32) * 3
+    weights, ids = route_top_k(logits, top_k, renormalize, routed_scaling=2.5)
+    ref_weights, ref_ids = logits.softmax(dim=-1).topk(top_k, dim=-1)
+    ref_weights = ref_weights / ref_weights.sum(dim=-1, keepdim=True) if renormalize else ref_weights * 2.5
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)
 
 
 # ---------------------------------------------------------------- GPU, Llama-3-8B sizes, bfloat16
