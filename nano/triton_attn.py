@@ -40,6 +40,11 @@ Keys may be wider than values and carry a separate rope part (DeepSeek: 192 = 12
 kernels split the score dot into a power-of-two main part and the rest, so no lane is wasted on
 padding 192 to 256 or 576 to 1024. Softmax runs in base 2 (`tl.exp2` is one instruction):
 log2(e) is folded into the scale, and the stored LSE is in base 2 too.
+
+Every `tl.dot` asks for `input_precision="ieee"`. Triton's default for float32 inputs is TF32
+(10-bit mantissa) on tensor cores, while torch multiplies float32 in full: with `--dtype float32`
+the two backends would pick different greedy tokens. For 16-bit inputs the option is ignored and
+the dots stay on tensor cores.
 """
 
 import torch
@@ -262,12 +267,12 @@ def _attend_tile(acc, m, l, q, q_rope, k_base, v_base, k_rows, v_rows, key_mask,
     # survive multiplication by a zero probability.
     d = tl.arange(0, K_MAIN)
     k = tl.load(k_base + k_rows[None, :] + d[:, None], mask=key_mask[None, :], other=0.0)  # [K_MAIN, N]
-    scores = tl.dot(q, k)  # [R, N], fp32
+    scores = tl.dot(q, k, input_precision="ieee")  # [R, N], fp32
     if BLOCK_DR > 0:
         dr = tl.arange(0, BLOCK_DR)
         k_rope = tl.load(k_base + k_rows[None, :] + K_MAIN + dr[:, None],
                          mask=key_mask[None, :] & (dr[:, None] < K_ROPE), other=0.0)  # [BLOCK_DR, N]
-        scores = tl.dot(q_rope, k_rope, scores)
+        scores = tl.dot(q_rope, k_rope, scores, input_precision="ieee")
     scores = tl.where(score_mask, scores * scale_log2, float("-inf"))
 
     # Every caller's first tile has a visible key for every row, so m is finite from then on.
@@ -279,7 +284,7 @@ def _attend_tile(acc, m, l, q, q_rope, k_base, v_base, k_rows, v_rows, key_mask,
     dv = tl.arange(0, BLOCK_DV)
     v = tl.load(v_base + v_rows[:, None] + dv[None, :], mask=key_mask[:, None] & (dv[None, :] < V_DIM),
                 other=0.0)  # [N, BLOCK_DV]
-    acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     l = l * rescale + tl.sum(p, 1)
     return acc, m_new, l
 

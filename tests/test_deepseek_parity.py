@@ -16,13 +16,17 @@ from nano import deepseek  # noqa: E402
 from nano.config import parse_config  # noqa: E402
 from nano.engine import Engine  # noqa: E402
 from nano.sampling import SamplingParams  # noqa: E402
-from tests.test_llama_parity import assert_matches_hf, random_prompts, record_logits  # noqa: E402
+from tests.test_llama_parity import assert_matches_hf, frequency_bands, random_prompts, record_logits  # noqa: E402
 
+# YaRN's ramp runs from the rope channel that turns beta_fast times over the original context to
+# the one that turns beta_slow times. Over 32 tokens DeepSeek's 32 and 1 would start it at channel
+# 0, leaving no channel where its clamp at 0 acts. With these betas, of the 8 channels, 0 is clamped
+# to 0, 2 and 3 are on the ramp, 5 to 7 are clamped to 1 (test_rope_bands checks).
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32,
-            mscale=0.707, mscale_all_dim=0.707, beta_fast=32, beta_slow=1)
+            mscale=0.707, mscale_all_dim=0.707, beta_fast=1, beta_slow=0.125)
 TINY = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_hidden_layers=3,
-            num_attention_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
-            qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=3,
+            num_attention_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=24,
+            qk_rope_head_dim=16, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=3,
             n_shared_experts=2, first_k_dense_replace=1, vocab_size=320, max_position_embeddings=128,
             initializer_range=0.2, rope_parameters=YARN)
 VARIANTS = {
@@ -66,6 +70,15 @@ def run_and_compare(path, hf_model, monkeypatch, use_mla, lengths=(5, 17, 1, 40)
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
     assert all(len(o) == new_tokens for o in outputs)
     assert_matches_hf(hf_model, prompts, outputs, steps)
+
+
+def test_rope_bands():
+    """The parity tests check YaRN's ramp (the share of each frequency divided by the factor) at
+    both ends and in between only if the tiny config has channels there. The ramp is exactly 0 at
+    one channel and exactly 1 at one: two at an end means one where the clamp acts."""
+    cfg = parse_config(transformers.DeepseekV2Config(**TINY).to_dict() | {"architectures": ["DeepseekV2ForCausalLM"]})
+    kept, on_ramp, divided = frequency_bands(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
+    assert kept >= 2 and on_ramp >= 1 and divided >= 2, (kept, on_ramp, divided)
 
 
 @pytest.mark.parametrize("use_mla", [True, False], ids=["mla", "expanded"])

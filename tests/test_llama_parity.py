@@ -11,7 +11,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from nano import engine as engine_module  # noqa: E402
+from nano.config import parse_config  # noqa: E402
 from nano.engine import Engine  # noqa: E402
+from nano.rope import rope_frequencies  # noqa: E402
 from nano.sampling import SamplingParams  # noqa: E402
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, vocab_size=320,
@@ -20,8 +22,10 @@ VARIANTS = {
     "gqa": dict(num_attention_heads=4, num_key_value_heads=2),
     "mha": dict(num_attention_heads=4, num_key_value_heads=4),
     "gqa4-tied": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
-    "llama3-rope": dict(num_attention_heads=4, num_key_value_heads=1, rope_parameters=dict(
-        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+    # 16 frequencies with wavelengths 6.3, 11, 20, 35, ...: llama3 keeps the first (shorter than
+    # 32 / 4), blends the next two and divides the rest (longer than 32 / 1); see test_rope_bands
+    "llama3-rope": dict(num_attention_heads=4, num_key_value_heads=1, head_dim=32, rope_parameters=dict(
+        rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
         original_max_position_embeddings=32)),
     "linear-rope": dict(num_attention_heads=4, num_key_value_heads=2, rope_parameters=dict(
         rope_type="linear", rope_theta=10000.0, factor=2.0)),
@@ -78,6 +82,24 @@ def assert_matches_hf(hf_model, prompts, outputs, steps, atol=1e-4, max_rel_erro
 def random_prompts(lengths, vocab, seed=1):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def frequency_bands(rot_dim: int, theta: float, scaling: dict) -> tuple[int, int, int]:
+    """How many rope frequencies a scaling keeps as they are, moves part of the way, and divides
+    by its factor: read off its output, so it holds whatever the config and the code say."""
+    ratio = rope_frequencies(rot_dim, theta, scaling)[0] / rope_frequencies(rot_dim, theta, None)[0]
+    kept = torch.isclose(ratio, torch.tensor(1.0))
+    divided = torch.isclose(ratio, torch.tensor(1 / scaling["factor"]))
+    return int(kept.sum()), int((~kept & ~divided).sum()), int(divided.sum())
+
+
+def test_rope_bands():
+    """llama3 keeps a frequency, blends it or divides it, by its wavelength: the parity tests check
+    each of the three only if the tiny config puts a frequency in its band."""
+    cfg = parse_config(transformers.LlamaConfig(**TINY, **VARIANTS["llama3-rope"]).to_dict()
+                       | {"architectures": ["LlamaForCausalLM"]})
+    kept, blended, divided = frequency_bands(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    assert kept >= 1 and blended >= 1 and divided >= 1, (kept, blended, divided)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -1,0 +1,120 @@
+"""Plant known bugs one at a time in a scratch copy of the repository and check that the tests
+aimed at each one fail. A test that stays green with its bug planted checks nothing: a tiny
+config that leaves a rope band empty, say, passes whatever the code does in that band.
+
+Each bug is one text substitution, which must apply exactly once (so the list notices when the
+code it names moves), and the tests that must catch it. First the union of those tests runs
+with nothing planted and must pass, so a failure below is the bug's doing. Bugs whose tests need
+a GPU are skipped without one. Minutes long, so not part of the test suite:
+
+    python scripts/planted_bugs.py          # every bug
+    python scripts/planted_bugs.py yarn     # the bugs whose name contains "yarn"
+"""
+
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Bug:
+    name: str
+    path: str  # the file to plant it in, relative to the repository root
+    old: str
+    new: str
+    tests: list[str]  # pytest node ids that must fail
+    needs_cuda: bool = False
+
+
+DEEPSEEK_MLA = "tests/test_deepseek_parity.py::test_prefill_and_decode_match_hf[lite-mla]"
+BUGS = [
+    Bug("llama3 rope: blend weights swapped", "nano/rope.py",
+        "blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq",
+        "blended = smooth * inv_freq / factor + (1 - smooth) * inv_freq",
+        ["tests/test_llama_parity.py::test_prefill_and_decode_match_hf[llama3-rope]"]),
+    Bug("yarn rope: ramp reversed", "nano/rope.py",
+        "inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)",
+        "inv_freq = inv_freq * ramp + inv_freq / factor * (1 - ramp)", [DEEPSEEK_MLA]),
+    Bug("yarn rope: ramp rounded to a step (only channels on the ramp change)", "nano/rope.py",
+        "/ (high - low)).clamp(0, 1)", "/ (high - low)).clamp(0, 1).round()", [DEEPSEEK_MLA]),
+    Bug("yarn rope: ramp not clamped (only channels past its ends change)", "nano/rope.py",
+        "/ (high - low)).clamp(0, 1)", "/ (high - low))", [DEEPSEEK_MLA]),
+    Bug("deepseek: softmax scale times mscale instead of mscale squared", "nano/deepseek.py",
+        'yarn_mscale(cfg.rope_scaling["factor"], mscale_all_dim) ** 2',
+        'yarn_mscale(cfg.rope_scaling["factor"], mscale_all_dim)', [DEEPSEEK_MLA]),
+    Bug("deepseek: routed scaling factor dropped", "nano/deepseek.py",
+        "return weights * self.routed_scaling_factor, ids", "return weights, ids",
+        ["tests/test_deepseek_parity.py::test_moe_forms_match_hf"]),
+    Bug("engine: a finished request also frees its never-written last position", "nano/engine.py",
+        "cached = req.num_tokens - 1", "cached = req.num_tokens",
+        ["tests/test_kv_cache.py::test_batch_equals_single_runs_and_more_prompts_than_pool"]),
+    Bug("cuda graphs: padded rows write K/V into slot 1, a real request's", "nano/cuda_graph_runner.py",
+        'static[bs:padded_bs] = 1 if name == "seq_lens" else 0', "static[bs:padded_bs] = 1",
+        ["tests/test_cuda_graph_runner.py::test_fill_copies_real_rows_and_pads_harmlessly"]),
+    Bug("triton decode: splits merged with e^lse for a base-2 lse", "nano/triton_attn.py",
+        "weight = tl.exp2(lse - tl.max(lse, 0))", "weight = tl.exp(lse - tl.max(lse, 0))",
+        ["tests/test_triton_attn.py::test_decode_with_most_splits", "tests/test_triton_attn.py::test_gpu_decode"]),
+    Bug("triton attention: online softmax forgets to rescale the output", "nano/triton_attn.py",
+        "acc = acc * rescale[:, None] + tl.dot(", "acc = acc + tl.dot(",
+        ["tests/test_triton_attn.py::test_extend", "tests/test_triton_attn.py::test_gpu_extend"]),
+    Bug("triton attention: scores in TF32 for float32 inputs", "nano/triton_attn.py",
+        'scores = tl.dot(q, k, input_precision="ieee")', "scores = tl.dot(q, k)",
+        ["tests/test_triton_e2e.py::test_float32_triton_equals_torch_on_gpu"], needs_cuda=True),
+    # TODO: batch-size rounding changed in one place only (CUDA graphs, attention split caps, MoE form).
+]
+
+
+def scratch_copy(into: Path) -> Path:
+    repo = into / "repo"
+    shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns(".git", "weights", "__pycache__", ".pytest_cache"))
+    return repo
+
+
+def plant(bug: Bug, repo: Path):
+    path = repo / bug.path
+    text = path.read_text()
+    count = text.count(bug.old)
+    if count != 1:
+        sys.exit(f"{bug.name}: {bug.path} holds {bug.old!r} {count} times, not once: update this list")
+    path.write_text(text.replace(bug.old, bug.new))
+
+
+def pytest_exit_code(repo: Path, tests: list[str]) -> int:
+    """0: all passed (or skipped), 1: some failed; anything else (collection error, no such test) is
+    neither a pass nor a catch."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests]
+    return subprocess.run(cmd, cwd=repo, capture_output=True).returncode
+
+
+def main():
+    wanted = sys.argv[1:]
+    bugs = [b for b in BUGS if not wanted or any(w in b.name for w in wanted)]
+    runnable = [b for b in bugs if torch.cuda.is_available() or not b.needs_cuda]
+    with tempfile.TemporaryDirectory() as tmp:
+        code = pytest_exit_code(scratch_copy(Path(tmp)), sorted({t for b in runnable for t in b.tests}))
+        if code != 0:
+            sys.exit(f"the tests fail (pytest exit code {code}) with nothing planted: fix them first")
+    missed = 0
+    for bug in bugs:
+        if bug not in runnable:
+            print(f"skipped (needs CUDA)  {bug.name}")
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            repo = scratch_copy(Path(tmp))
+            plant(bug, repo)
+            code = pytest_exit_code(repo, bug.tests)
+        missed += code != 1
+        note = "" if code in (0, 1) else f" (pytest exit code {code})"
+        print(f"{'caught' if code == 1 else 'NOT CAUGHT':20}  {bug.name}{note}", flush=True)
+    sys.exit(1 if missed else 0)
+
+
+if __name__ == "__main__":
+    main()
