@@ -34,6 +34,7 @@ class Bug:
 
 
 DEEPSEEK_MLA = "tests/test_deepseek_parity.py::test_prefill_and_decode_match_hf[lite-mla]"
+GRAPH_CONTRACT = "tests/test_cuda_graph_runner.py::test_padding_to_the_graph_size_changes_no_choice"
 BUGS = [
     Bug("llama3 rope: blend weights swapped", "nano/rope.py",
         "blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq",
@@ -67,7 +68,13 @@ BUGS = [
     Bug("triton attention: scores in TF32 for float32 inputs", "nano/triton_attn.py",
         'scores = tl.dot(q, k, input_precision="ieee")', "scores = tl.dot(q, k)",
         ["tests/test_triton_e2e.py::test_float32_triton_equals_torch_on_gpu"], needs_cuda=True),
-    # TODO: batch-size rounding changed in one place only (CUDA graphs, attention split caps, MoE form).
+    Bug("graph contract: attention split cap from the raw batch size, not its bucket", "nano/triton_attn.py",
+        "batch_bucket(bs) * self.num_kv_heads", "bs * self.num_kv_heads", [GRAPH_CONTRACT]),
+    Bug("graph contract: MoE form from the raw token count, not its bucket", "nano/deepseek.py",
+        "batch_bucket(num_tokens) * self.top_k", "num_tokens * self.top_k", [GRAPH_CONTRACT]),
+    Bug("graph contract: replay pads to a power of two, not the bucket", "nano/cuda_graph_runner.py",
+        "bs, padded_bs = batch.batch_size, batch_bucket(batch.batch_size)",
+        "bs, padded_bs = batch.batch_size, 1 << (batch.batch_size - 1).bit_length()", [GRAPH_CONTRACT]),
 ]
 
 
