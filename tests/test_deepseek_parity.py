@@ -85,8 +85,8 @@ def test_hub_config_form(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("num_tokens", [1, 7, 300])
 def test_moe_forms_match_hf(num_tokens):
-    """The grouped, matvec and fused forms each equal HF's MoE block (the parity tests above run
-    on CPU, so they only see grouped)."""
+    """The grouped, matvec and fused forms each equal HF's MoE block (on CPU the engine runs only
+    grouped, so the parity tests above see no other)."""
     torch.manual_seed(0)
     hf_cfg = transformers.DeepseekV2Config(**TINY, routed_scaling_factor=1.5)
     hf_moe = transformers.models.deepseek_v2.modeling_deepseek_v2.DeepseekV2Moe(hf_cfg)
