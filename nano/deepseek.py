@@ -29,7 +29,7 @@ MoE makes the MLP sparse: a router scores 64 experts (small SwiGLUs) per token, 
 their outputs are summed with the router's weights, plus 2 "shared" experts every token uses (one
 SwiGLU of twice the width). A token uses 2.4 B of V2-Lite's 16 B parameters, so a small decode
 batch reads a fraction of the weights, as a 2.4 B dense model would. How to run the chosen
-experts without host syncs (so a decode step can be a CUDA graph) is explained at `MoE.forward`.
+experts without host syncs (so a decode step can be a CUDA graph) is explained at `MoE.form`.
 """
 
 import torch
@@ -39,7 +39,7 @@ from torch import nn
 from nano.config import ModelConfig
 from nano.forward_batch import ForwardBatch, batch_bucket
 from nano.model import CausalLM, DecoderLayer, Linear, RMSNorm, SwiGLU
-from nano.moe_kernels import expert_matvec
+from nano.moe_kernels import align_pairs_by_expert, expert_matvec, fused_moe_config, fused_moe_matmul
 from nano.rope import RotaryEmbedding, yarn_mscale
 from nano.triton_ops import route_top_k, silu_and_mul
 
@@ -113,12 +113,6 @@ class MLAttention(nn.Module):
         return attn.forward(query, key, v, self.layer_id, batch, self.scale)  # [T, H, 128]
 
 
-# Up to this many tokens (the largest decode batch worth capturing in a CUDA graph, 160 by
-# default, and then some) the MoE runs in a form with static shapes and no host syncs; so does a
-# larger batch while a graph is being captured.
-STATIC_MOE_MAX_TOKENS = 256
-
-
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -166,18 +160,16 @@ class MoE(nn.Module):
           there are no more pairs than experts (T k <= E). T is taken as its batch bucket
           (forward_batch.py), so a batch padded for a graph picks the same form as the same batch
           run eagerly, and the two give the same tokens;
-        - "dense" (larger decode batches): run every expert on every token and zero the unchosen
-          ones through a [T, E] weight matrix. It wastes flops (E/k times the needed) but reads
-          each expert once, which a large decode batch does anyway, since it hits almost all;
-        - "grouped" (prefill): sort the (token, expert) pairs by expert and run each expert on its
-          own tokens. Sizes depend on the routing, so the host must see them (one sync): fine for
-          prefill, which is never captured, and it does only the needed flops.
-        On CPU (the reference) decode batches run dense."""
-        if on_cuda and batch_bucket(num_tokens) * self.top_k <= self.num_experts:
-            return "matvec"
-        if num_tokens <= STATIC_MOE_MAX_TOKENS or (on_cuda and torch.cuda.is_current_stream_capturing()):
-            return "dense"
-        return "grouped"
+        - "fused" (every larger batch on CUDA, decode and prefill): a grouped matmul kernel
+          (moe_kernels.py) sorts the pairs by expert on the device and multiplies each chosen
+          expert's weights by the rows of its pairs in one launch: only the needed flops, each
+          chosen expert read about once, and no host sync, so a graph can capture it at any size;
+        - "grouped" (on CPU, the reference): sort the pairs by expert and run each expert on its
+          own tokens with torch matmuls. Sizes depend on the routing, so the host must see them
+          (a sync, which costs nothing on CPU)."""
+        if not on_cuda:
+            return "grouped"
+        return "matvec" if batch_bucket(num_tokens) * self.top_k <= self.num_experts else "fused"
 
     def forward(self, x):
         weights, ids = self.route(x)
@@ -191,10 +183,13 @@ class MoE(nn.Module):
         out = expert_matvec(h, self.w2, ids)  # [T, k, hidden]
         return torch.einsum("tkh,tk->th", out, weights.to(x.dtype))
 
-    def dense(self, x, weights, ids):
-        expert_weights = weights.new_zeros(x.shape[0], self.num_experts).scatter_(1, ids, weights)  # [T, E]
-        out = _swiglu(x, self.w13, self.w2)  # [E, T, hidden]
-        return torch.einsum("eth,te->th", out, expert_weights.to(x.dtype))
+    def fused(self, x, weights, ids):
+        num_tokens, top_k = ids.shape
+        config = fused_moe_config(num_tokens, top_k, self.num_experts)
+        pairs = align_pairs_by_expert(ids, self.num_experts, config["BLOCK_M"])  # (sorted pair ids, block experts)
+        gate_up = fused_moe_matmul(x, self.w13, *pairs, config, pairs_per_row=top_k)  # [T*k, 2I]
+        out = fused_moe_matmul(silu_and_mul(gate_up), self.w2, *pairs, config, pair_weights=weights)  # [T*k, hidden]
+        return out.view(num_tokens, top_k, -1).sum(dim=1)  # the routing weights are already applied
 
     def grouped(self, x, weights, ids):
         order = ids.flatten().argsort()  # (token, slot) pairs sorted by expert
@@ -211,7 +206,7 @@ class MoE(nn.Module):
 
 
 def _swiglu(x, w13, w2):
-    """down(silu(gate(x)) * up(x)) with stacked expert weights; leading dimensions broadcast."""
+    """down(silu(gate(x)) * up(x)) for one expert's w13 [2I, hidden] and w2 [hidden, I]."""
     gate, up = (x @ w13.mT).chunk(2, dim=-1)
     return (F.silu(gate) * up) @ w2.mT
 

@@ -70,7 +70,7 @@ def test_padding_to_the_graph_size_changes_no_choice():
             backend.init_forward_metadata(inputs.batch(padded_bs))
             assert backend.num_kv_splits[:bs].tolist() == eager_splits.tolist(), f"batch {bs}: splits differ"
         assert moe.form(bs, on_cuda=True) == moe.form(padded_bs, on_cuda=True), f"batch {bs}: MoE forms differ"
-    assert {moe.form(bs, on_cuda=True) for bs in range(1, max_bs + 1)} == {"matvec", "dense"}  # both are exercised
+    assert {moe.form(bs, on_cuda=True) for bs in range(1, max_bs + 1)} == {"matvec", "fused"}  # both are exercised
 
 
 def _random_prompts(n, vocab, seed):

@@ -98,8 +98,8 @@ def test_hub_config_form(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("num_tokens", [1, 7, 300])
 def test_moe_forms_match_hf(num_tokens):
-    """The matvec, dense and grouped forms each equal HF's MoE block (whichever form the engine
-    picks for a given batch, the parity tests above only see one or two of them)."""
+    """The grouped, matvec and fused forms each equal HF's MoE block (on CPU the engine runs only
+    grouped, so the parity tests above see no other)."""
     torch.manual_seed(0)
     hf_cfg = transformers.DeepseekV2Config(**TINY, routed_scaling_factor=1.5)
     hf_moe = transformers.models.deepseek_v2.modeling_deepseek_v2.DeepseekV2Moe(hf_cfg)
@@ -116,11 +116,11 @@ def test_moe_forms_match_hf(num_tokens):
         x = torch.randn(num_tokens, TINY["hidden_size"])
         expected = hf_moe(x[None])[0] - shared(x)
         weights, ids = moe.route(x)
-        forms = [moe.dense, moe.grouped]
-        # matvec is a Triton kernel: on these CPU tensors it runs only in Triton's interpreter
-        # (conftest), slowly, so not at the prefill size
-        if num_tokens < 300 and not torch.cuda.is_available():
-            forms.append(moe.matvec)
+        forms = [moe.grouped]
+        # matvec and fused are Triton kernels: on these CPU tensors they run only in Triton's
+        # interpreter (conftest), slowly, matvec (a program per pair) too slowly for the prefill size
+        if not torch.cuda.is_available():
+            forms += [moe.matvec, moe.fused] if num_tokens < 300 else [moe.fused]
         for form in forms:
             torch.testing.assert_close(form(x, weights, ids), expected, atol=1e-5, rtol=1e-5, msg=form.__name__)
         torch.testing.assert_close(moe(x), expected + shared(x), atol=1e-5, rtol=1e-5)
