@@ -42,7 +42,7 @@ class Node:
 class RadixCache:
     def __init__(self, allocator: SlotAllocator):
         self.allocator = allocator
-        self.root = Node([], allocator.free_slots[:0], None)
+        self.root = Node([], torch.empty(0, dtype=torch.int32, device=allocator.free_slots.device), None)
         self.root.lock_count = 1  # never evicted
         self.size = 0  # tokens held
         self.locked_size = 0  # tokens on locked nodes
@@ -54,17 +54,43 @@ class RadixCache:
 
     def match(self, tokens: list[int]) -> tuple[torch.Tensor, Node]:
         """The slots of the longest cached prefix of `tokens`, and the node where it ends."""
+        path = self._walk(tokens)
+        if not path:
+            return self.root.slots, self.root
+        return torch.cat([node.slots for node in path]), path[-1]
+
+    def insert(self, tokens: list[int], slots: torch.Tensor):
+        """Cache `slots`, the K/V of `tokens`. Where the tree already holds a prefix of `tokens`,
+        the given slots for it are duplicates and go back to the allocator (those that are the
+        tree's own, the request's matched prefix, stay)."""
+        path, i, duplicates = self._walk(tokens), 0, []
+        for node in path:
+            mine = slots[i : i + len(node.key)]
+            duplicates.append(mine[mine != node.slots])
+            i += len(node.key)
+        if i < len(tokens):
+            parent = path[-1] if path else self.root
+            leaf = Node(tokens[i:], slots[i:], parent)
+            leaf.last_used = self.clock
+            parent.children[tokens[i]] = leaf
+            self.size += len(leaf.key)
+        if duplicates:
+            self.allocator.free(torch.cat(duplicates))
+
+    def _walk(self, tokens: list[int]) -> list[Node]:
+        """The nodes that spell the longest cached prefix of `tokens`, from the root down, stamped
+        as just used; where the prefix ends inside a node, that node is split first."""
         self.clock += 1
-        node, pieces, i = self.root, [], 0
+        node, i, path = self.root, 0, []
         while i < len(tokens) and tokens[i] in node.children:
             child = node.children[tokens[i]]
             n = _common_length(child.key, tokens, i)
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_used = self.clock
-            pieces.append(child.slots)
+            path.append(child)
             node, i = child, i + n
-        return (torch.cat(pieces) if pieces else self.root.slots), node
+        return path
 
     def _split(self, node: Node, n: int) -> Node:
         """Cut node after its first n tokens; -> the new upper part (the lower keeps the object,
@@ -75,29 +101,6 @@ class RadixCache:
         node.parent.children[node.key[0]] = upper
         node.key, node.slots, node.parent = node.key[n:], node.slots[n:], upper
         return upper
-
-    def insert(self, tokens: list[int], slots: torch.Tensor):
-        """Cache `slots`, the K/V of `tokens`. Where the tree already holds a prefix of `tokens`,
-        the given slots for it are duplicates and go back to the allocator (those that are the
-        tree's own, the request's matched prefix, stay)."""
-        self.clock += 1
-        node, i, duplicates = self.root, 0, []
-        while i < len(tokens) and tokens[i] in node.children:
-            child = node.children[tokens[i]]
-            n = _common_length(child.key, tokens, i)
-            if n < len(child.key):
-                child = self._split(child, n)
-            child.last_used = self.clock
-            mine = slots[i : i + n]
-            duplicates.append(mine[mine != child.slots])
-            node, i = child, i + n
-        if i < len(tokens):
-            leaf = Node(tokens[i:], slots[i:], node)
-            leaf.last_used = self.clock
-            node.children[tokens[i]] = leaf
-            self.size += len(leaf.key)
-        if duplicates:
-            self.allocator.free(torch.cat(duplicates))
 
     def lock(self, node: Node):
         while node is not self.root:
