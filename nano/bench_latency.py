@@ -113,6 +113,7 @@ def main(argv=None):
     except (UsageError, ValueError) as e:
         sys.exit(f"error: {e}")
     engine.max_prefill_tokens = max_bs * args.input_len
+    engine.chunked_prefill_size = 0  # the whole batch in the one prefill step this reports
     graphs = "on" if engine.graph_runner is not None else "off"
     print(f"{engine.cfg.architecture}, {engine.dtype}, {engine.device}, CUDA graphs {graphs}, "
           f"attention {type(engine.attn).__name__}")

@@ -3,14 +3,28 @@
 Life of a request:
 1. `add_request` checks it and puts it in the waiting queue.
 2. The scheduler admits waiting requests while the pool has room for their prompt *and* all the
-   tokens they may still generate (so a running request never has to be evicted), gives each a
-   row in `req_to_token` and slots for its prompt, and runs one extend (prefill) pass over all
-   newly admitted prompts together. Each gets its first token.
+   tokens they may still generate (so a running request never has to be evicted), and gives each
+   a row in `req_to_token`. With the prefix cache (radix_cache.py) the row starts with the slots
+   of the longest cached prefix of the prompt, and only the rest is computed. One extend
+   (prefill) pass runs over all newly admitted prompts together; each gets its first token.
 3. Otherwise it runs one decode pass over every running request: each gets one new slot, the
    model writes that token's K/V and attends over the request's slots, the sampler picks the next
    token. Decode passes go through the CUDA-graph runner when there is one.
-4. A request that hits EOS, a stop id or its token budget leaves the batch at once and gives its
-   slots and row back; the next step may admit a waiting request into the room it left.
+4. A request that hits EOS, a stop id or its token budget leaves the batch at once. Its tokens
+   and slots go into the prefix cache (or back to the allocator without one), its row back to the
+   table; the next step may admit a waiting request into the room it left.
+
+Room is counted in slots: the pool, less what admitted requests may still need, less cached
+slots that running requests lock. Cached slots nobody locks count as free: they are evicted,
+least recently used first, when the allocator runs short.
+
+Chunked prefill: one extend pass over a 16k-token prompt takes long, and every running request
+waits for it: their streams stall. With a chunk size, a pass computes at most that many prompt
+tokens; a longer prompt is cut, and its next chunk is one more extend whose cached prefix is the
+chunks before it (it keeps its row in between; only the last chunk samples a token). A step
+that leaves a prompt part-way is followed by a decode step, so running streams keep moving, one
+chunk's time apart. The trade: the long prompt's first token comes later (it waits for the
+decode steps and reads its own prefix once per chunk), and smaller chunks use the GPU less well.
 
 `step()` returns the (request, token) pairs it produced, so a caller can stream them.
 """
@@ -27,6 +41,7 @@ from nano.config import load_config
 from nano.forward_batch import ForwardBatch
 from nano.kv_cache import KVPool, ReqToTokenPool, SlotAllocator, kv_bytes_per_token, slots_for_memory
 from nano.loader import load_model
+from nano.radix_cache import Node, RadixCache
 from nano.sampling import SamplingParams, sample
 from nano.torch_attn import TorchAttnBackend
 
@@ -41,6 +56,9 @@ class Request:
     row: int = -1  # row in req_to_token while running
     finished: bool = False
     generator: torch.Generator | None = None
+    prefix_node: Node | None = None  # where its cached prefix ends in the prefix cache (locked)
+    cached_len: int = 0  # prompt tokens found in the prefix cache
+    prefilled: int = 0  # prompt tokens whose K/V is in the pool (cached or computed)
 
     @property
     def num_tokens(self) -> int:
@@ -52,12 +70,17 @@ class Request:
         (the last sampled token is never fed back, so it needs no slot)."""
         return len(self.prompt_ids) + self.params.max_new_tokens - 1
 
+    @property
+    def kv_len(self) -> int:
+        """Tokens whose K/V its row holds (the last sampled token has none yet)."""
+        return self.prefilled + max(len(self.output_ids) - 1, 0)
+
 
 class Engine:
     def __init__(self, model_dir, device="cpu", dtype=torch.float32, attention_backend="torch",
                  load_format="safetensors", mem_fraction=0.85, max_total_tokens=None, max_requests=256,
                  context_length=None, use_mla=True, cuda_graph=False, cuda_graph_max_bs=160,
-                 max_prefill_tokens=16384, seed=0, log=True):
+                 max_prefill_tokens=16384, radix_cache=True, chunked_prefill_size=8192, seed=0, log=True):
         self.device, self.dtype, self.log = torch.device(device), dtype, log
         self.cfg = cfg = load_config(model_dir)
         self.use_mla = use_mla and cfg.is_deepseek
@@ -73,7 +96,8 @@ class Engine:
         self.kv_pool = KVPool(cfg, num_slots, dtype, self.device, self.use_mla)
         self.req_to_token_pool = ReqToTokenPool(max_requests, self.context_length, self.device)
         self.slots = SlotAllocator(num_slots, self.device)
-        self.unreserved_slots = num_slots - 1  # slot 0 is reserved
+        self.prefix_cache = RadixCache(self.slots) if radix_cache else None
+        self.reserved_slots = 0  # slots admitted requests may still need beyond their cached prefix
         per_token = kv_bytes_per_token(cfg, dtype, self.use_mla)
         self._print(f"KV cache: {num_slots - 1} tokens ({per_token:,} bytes per token, "
                     f"{(num_slots * per_token) / 2**30:.2f} GiB), up to {max_requests} requests")
@@ -92,11 +116,13 @@ class Engine:
             self.graph_runner = CudaGraphRunner(self.model, self.attn, min(cuda_graph_max_bs, max_requests),
                                                 self.device, log)
 
-        self.max_prefill_tokens = max_prefill_tokens
+        self.max_prefill_tokens, self.chunked_prefill_size = max_prefill_tokens, chunked_prefill_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.chunked: Request | None = None  # the request whose prompt is part-way through prefill
+        self.decode_owed = False  # the last step left a prompt part-way: decode the running ones next
         self.next_rid = 0
-        self.stats = dict(prefill_s=0.0, prefill_tokens=0, decode_s=0.0, decode_tokens=0)
+        self.stats = dict(prefill_s=0.0, prefill_tokens=0, cached_tokens=0, decode_s=0.0, decode_tokens=0)
 
     def _print(self, msg):
         if self.log:
@@ -124,54 +150,101 @@ class Engine:
         return req
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.chunked)
+
+    @property
+    def unreserved_slots(self) -> int:
+        """Slots no admitted request may still claim: free ones and unlocked cached ones."""
+        locked = self.prefix_cache.locked_size if self.prefix_cache else 0
+        return self.kv_pool.num_slots - 1 - self.reserved_slots - locked  # slot 0 is reserved
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[tuple[Request, int]]:
         started = time.perf_counter()
-        admitted = self._admit()
-        kind, events = ("prefill", self._prefill(admitted)) if admitted else ("decode", self._decode())
+        # a step that left a prompt part-way owes the running requests a decode step
+        chunks = [] if self.decode_owed and self.running else self._schedule_prefill()
+        self.decode_owed = False
+        kind, events = ("prefill", self._prefill(chunks)) if chunks else ("decode", self._decode())
         # sampling ended with a host copy of the tokens, so the clock reads finished GPU work
         self.stats[kind + "_s"] += time.perf_counter() - started
-        self.stats[kind + "_tokens"] += sum(len(r.prompt_ids) for r in admitted) if admitted else len(events)
+        if kind == "decode":
+            self.stats["decode_tokens"] += len(events)
         return events
 
-    def _admit(self) -> list[Request]:
-        admitted, num_tokens = [], 0
-        while self.waiting:
+    def _schedule_prefill(self) -> list[tuple[Request, int]]:
+        """(request, prompt tokens to compute) for the next extend pass: the next chunk of a
+        part-way prompt first, then newly admitted requests. With chunking a pass computes at
+        most min(chunk size, max_prefill_tokens) tokens, and the last request admitted is cut to
+        fit; without, at most max_prefill_tokens, but a longer prompt still runs alone."""
+        chunking = self.chunked_prefill_size > 0
+        budget = min(self.max_prefill_tokens, self.chunked_prefill_size) if chunking else self.max_prefill_tokens
+        chunks = []
+        if self.chunked:
+            chunks.append((self.chunked, min(len(self.chunked.prompt_ids) - self.chunked.prefilled, budget)))
+            budget -= chunks[0][1]
+        while self.waiting and budget > 0:
             req = self.waiting[0]
-            if req.max_tokens > self.unreserved_slots or (
-                admitted and num_tokens + len(req.prompt_ids) > self.max_prefill_tokens
-            ):
-                break
             row = self.req_to_token_pool.alloc()
             if row is None:
                 break
-            self.waiting.popleft()
             req.row = row
-            self.unreserved_slots -= req.max_tokens
-            num_tokens += len(req.prompt_ids)
-            admitted.append(req)
-        return admitted
+            self._reuse_cached_prefix(req)
+            self.reserved_slots += req.max_tokens - req.cached_len
+            extend = len(req.prompt_ids) - req.cached_len
+            if chunking:
+                extend = min(extend, budget)
+            if self.unreserved_slots < 0 or (chunks and extend > budget):
+                self._release(req)  # undo: it waits for room
+                break
+            self.waiting.popleft()
+            self.stats["prefill_tokens"] += len(req.prompt_ids)
+            self.stats["cached_tokens"] += req.cached_len
+            chunks.append((req, extend))
+            budget -= extend
+        return chunks
 
-    def _prefill(self, reqs: list[Request]) -> list[tuple[Request, int]]:
-        lens = [len(r.prompt_ids) for r in reqs]
-        slots = self.slots.alloc(sum(lens))
+    def _reuse_cached_prefix(self, req: Request):
+        """Start req's row with the slots of the longest cached prefix of its prompt, locked while
+        it runs. The last prompt token is always computed: the pass must produce its logits."""
+        req.cached_len = 0
+        if self.prefix_cache is not None:
+            slots, req.prefix_node = self.prefix_cache.match(req.prompt_ids[:-1])
+            self.prefix_cache.lock(req.prefix_node)
+            self.req_to_token_pool.req_to_token[req.row, : len(slots)] = slots
+            req.cached_len = len(slots)
+        req.prefilled = req.cached_len
+
+    def _alloc_slots(self, n: int) -> torch.Tensor:
+        """n slots; cached ones are evicted when the allocator runs short (admission made sure
+        that enough are free or evictable)."""
+        if self.prefix_cache is not None and self.slots.available < n:
+            self.prefix_cache.evict(n - self.slots.available)
+        return self.slots.alloc(n)
+
+    def _prefill(self, chunks: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
+        reqs, lens = [r for r, _ in chunks], [n for _, n in chunks]
+        slots = self._alloc_slots(sum(lens))
         req_to_token = self.req_to_token_pool.req_to_token
-        for req, req_slots in zip(reqs, slots.split(lens)):
-            req_to_token[req.row, : len(req.prompt_ids)] = req_slots
+        for req, n, req_slots in zip(reqs, lens, slots.split(lens)):
+            req_to_token[req.row, req.prefilled : req.prefilled + n] = req_slots
         batch = ForwardBatch.extend(
-            [t for r in reqs for t in r.prompt_ids], [0] * len(reqs), lens, [r.row for r in reqs], slots, self.device
+            [t for r, n in chunks for t in r.prompt_ids[r.prefilled : r.prefilled + n]],
+            [r.prefilled for r in reqs], lens, [r.row for r in reqs], slots, self.device,
         )
         logits = self._forward(batch)
-        self.running.extend(reqs)
-        return self._sample_and_retire(reqs, logits)
+        for req, n in chunks:
+            req.prefilled += n
+        done = [i for i, r in enumerate(reqs) if r.prefilled == len(r.prompt_ids)]
+        self.chunked = next((r for r in reqs if r.prefilled < len(r.prompt_ids)), None)
+        self.decode_owed = self.chunked is not None
+        self.running.extend(reqs[i] for i in done)
+        return self._sample_and_retire([reqs[i] for i in done], logits[done]) if done else []
 
     def _decode(self) -> list[tuple[Request, int]]:
         reqs = self.running
         if not reqs:
             return []
-        slots = self.slots.alloc(len(reqs))
+        slots = self._alloc_slots(len(reqs))
         seq_lens = [r.num_tokens for r in reqs]  # the new token's position is num_tokens - 1
         batch = ForwardBatch.decode([r.output_ids[-1] for r in reqs], seq_lens, [r.row for r in reqs], slots,
                                     self.device)
@@ -197,10 +270,20 @@ class Engine:
     def _finish(self, req: Request):
         req.finished = True
         self.running.remove(req)
-        cached = req.num_tokens - 1  # the last sampled token was never written to the cache
-        self.slots.free(self.req_to_token_pool.req_to_token[req.row, :cached].clone())
+        self._release(req)
+
+    def _release(self, req: Request):
+        """Give back what an admitted request holds: its K/V into the prefix cache (or its slots
+        to the allocator), its lock on the cached prefix, its row, its claim on the pool."""
+        kv_slots = self.req_to_token_pool.req_to_token[req.row, : req.kv_len].clone()
+        if self.prefix_cache is not None:
+            self.prefix_cache.insert((req.prompt_ids + req.output_ids)[: req.kv_len], kv_slots)
+            self.prefix_cache.unlock(req.prefix_node)
+        else:
+            self.slots.free(kv_slots)
         self.req_to_token_pool.free(req.row)
-        self.unreserved_slots += req.max_tokens
+        self.reserved_slots -= req.max_tokens - req.cached_len
+        req.row = -1
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], stop_ids=()):
         """Run prompts to completion; -> list of output token lists, in prompt order."""

@@ -68,6 +68,9 @@ def add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--disable-mla", action="store_true", help="DeepSeek: plain multi-head attention, expanded K/V")
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--cuda-graph-max-bs", type=int, default=160)
+    p.add_argument("--disable-radix-cache", action="store_true", help="compute every prompt in full")
+    p.add_argument("--chunked-prefill-size", type=int, default=8192,
+                   help="most prompt tokens one prefill step computes; longer prompts take several (0 or -1: off)")
 
 
 def resolve_model(name: str | None, load_format: str) -> Path:
@@ -108,7 +111,8 @@ def engine_from_args(args, model_dir: Path):
         load_format=args.load_format, mem_fraction=args.mem_fraction, max_total_tokens=args.max_total_tokens,
         max_requests=args.max_running_requests, context_length=args.context_length,
         use_mla=not args.disable_mla, cuda_graph=on_gpu and backend == "triton" and not args.disable_cuda_graph,
-        cuda_graph_max_bs=args.cuda_graph_max_bs,
+        cuda_graph_max_bs=args.cuda_graph_max_bs, radix_cache=not args.disable_radix_cache,
+        chunked_prefill_size=args.chunked_prefill_size,
     )
 
 
@@ -175,8 +179,9 @@ def run(args):
     if len(requests) == 1:
         sys.stdout.write("\n")
     s = engine.stats
-    print(f"prefill: {s['prefill_tokens']} tokens in {s['prefill_s']:.3f} s "
-          f"({s['prefill_tokens'] / max(s['prefill_s'], 1e-9):.1f} tok/s); "
+    computed = s["prefill_tokens"] - s["cached_tokens"]
+    print(f"prefill: {s['prefill_tokens']:,} tokens, {s['cached_tokens']:,} from the prefix cache, "
+          f"{computed:,} computed in {s['prefill_s']:.3f} s ({computed / max(s['prefill_s'], 1e-9):.1f} tok/s); "
           f"decode: {s['decode_tokens']} tokens in {s['decode_s']:.3f} s "
           f"({s['decode_tokens'] / max(s['decode_s'], 1e-9):.1f} tok/s)", file=sys.stderr)
 

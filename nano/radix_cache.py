@@ -1,0 +1,152 @@
+"""The prefix cache: a radix tree over token ids whose nodes own the KV slots of their tokens.
+
+Many requests start alike: a system prompt, a few-shot preamble, the earlier turns of a
+conversation. The K/V of a token depends only on the tokens before it, so two requests that share
+their first n tokens may share those n slots, and the second computes only what comes after.
+When a request finishes, its tokens and slots stay here instead of going back to the allocator,
+and a later request that starts the same way finds them (SGLang's RadixAttention, Zheng et al.,
+"SGLang: Efficient Execution of Structured Language Model Programs", 2024).
+
+Why a tree: cached sequences share prefixes, so we store each shared part once. A radix tree
+(a trie whose chains are merged into one node per run of tokens) finds the longest cached prefix
+of a prompt in one walk from the root, one step per node. Each node holds a run of token ids
+(`key`) and the slots of their K/V (`slots`, same length); a path from the root spells a cached
+sequence. With a page size of 1 every token has its own slot, so a match may end anywhere: when
+it ends inside a node, we split the node in two and the match ends exactly on a node boundary.
+(With pages of p tokens, matches and splits would have to round to pages.)
+
+What a lock protects: a running request attends over its matched prefix's slots, so those must
+not be evicted while it runs. `lock` adds one to a reference count on every node from the match
+up to the root, `unlock` takes it away; only nodes with count 0 may be evicted. `locked_size`
+(tokens on locked nodes) is what the engine may not count as free room.
+
+Eviction frees whole leaves, least recently used first (every match and insert stamps the nodes
+it walks with a clock): a leaf's removal may turn its parent into an evictable leaf in turn.
+"""
+
+import heapq
+
+import torch
+
+from nano.kv_cache import SlotAllocator
+
+
+class Node:
+    def __init__(self, key: list[int], slots: torch.Tensor, parent: "Node | None"):
+        self.key, self.slots, self.parent = key, slots, parent
+        self.children: dict[int, Node] = {}  # by first token id
+        self.lock_count = 0
+        self.last_used = 0
+
+
+class RadixCache:
+    def __init__(self, allocator: SlotAllocator):
+        self.allocator = allocator
+        self.root = Node([], torch.empty(0, dtype=torch.int32, device=allocator.free_slots.device), None)
+        self.root.lock_count = 1  # never evicted
+        self.size = 0  # tokens held
+        self.locked_size = 0  # tokens on locked nodes
+        self.clock = 0
+
+    @property
+    def evictable_size(self) -> int:
+        return self.size - self.locked_size
+
+    def match(self, tokens: list[int]) -> tuple[torch.Tensor, Node]:
+        """The slots of the longest cached prefix of `tokens`, and the node where it ends."""
+        path = self._walk(tokens)
+        if not path:
+            return self.root.slots, self.root
+        return torch.cat([node.slots for node in path]), path[-1]
+
+    def insert(self, tokens: list[int], slots: torch.Tensor):
+        """Cache `slots`, the K/V of `tokens`. Where the tree already holds a prefix of `tokens`,
+        the given slots for it are duplicates and go back to the allocator (those that are the
+        tree's own, the request's matched prefix, stay)."""
+        path, i, duplicates = self._walk(tokens), 0, []
+        for node in path:
+            mine = slots[i : i + len(node.key)]
+            duplicates.append(mine[mine != node.slots])
+            i += len(node.key)
+        if i < len(tokens):
+            parent = path[-1] if path else self.root
+            leaf = Node(tokens[i:], slots[i:], parent)
+            leaf.last_used = self.clock
+            parent.children[tokens[i]] = leaf
+            self.size += len(leaf.key)
+        if duplicates:
+            self.allocator.free(torch.cat(duplicates))
+
+    def _walk(self, tokens: list[int]) -> list[Node]:
+        """The nodes that spell the longest cached prefix of `tokens`, from the root down, stamped
+        as just used; where the prefix ends inside a node, that node is split first."""
+        self.clock += 1
+        node, i, path = self.root, 0, []
+        while i < len(tokens) and tokens[i] in node.children:
+            child = node.children[tokens[i]]
+            n = _common_length(child.key, tokens, i)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_used = self.clock
+            path.append(child)
+            node, i = child, i + n
+        return path
+
+    def _split(self, node: Node, n: int) -> Node:
+        """Cut node after its first n tokens; -> the new upper part (the lower keeps the object,
+        so a request holding it as its match still ends at the same token)."""
+        upper = Node(node.key[:n], node.slots[:n], node.parent)
+        upper.lock_count, upper.last_used = node.lock_count, node.last_used
+        upper.children[node.key[n]] = node
+        node.parent.children[node.key[0]] = upper
+        node.key, node.slots, node.parent = node.key[n:], node.slots[n:], upper
+        return upper
+
+    def lock(self, node: Node):
+        while node is not self.root:
+            if node.lock_count == 0:
+                self.locked_size += len(node.key)
+            node.lock_count += 1
+            node = node.parent
+
+    def unlock(self, node: Node):
+        while node is not self.root:
+            node.lock_count -= 1
+            if node.lock_count == 0:
+                self.locked_size -= len(node.key)
+            node = node.parent
+
+    def evict(self, num_tokens: int):
+        """Give at least num_tokens slots back to the allocator (fewer only if the unlocked
+        part of the tree is smaller), least recently used leaves first."""
+        leaves = [(n.last_used, id(n), n) for n in self._nodes() if not n.children and n.lock_count == 0]
+        heapq.heapify(leaves)
+        freed = []
+        while num_tokens > 0 and leaves:
+            _, _, leaf = heapq.heappop(leaves)
+            parent = leaf.parent
+            del parent.children[leaf.key[0]]
+            freed.append(leaf.slots)
+            num_tokens -= len(leaf.key)
+            self.size -= len(leaf.key)
+            if not parent.children and parent.lock_count == 0:
+                heapq.heappush(leaves, (parent.last_used, id(parent), parent))
+        if freed:
+            self.allocator.free(torch.cat(freed))
+
+    def _nodes(self):
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+
+def _common_length(key: list[int], tokens: list[int], start: int) -> int:
+    """How many of key's tokens equal tokens[start:] from the start."""
+    n = 0
+    for a, b in zip(key, tokens[start : start + len(key)]):
+        if a != b:
+            break
+        n += 1
+    return n
