@@ -11,6 +11,8 @@ Life of a request:
    token. Decode passes go through the CUDA-graph runner when there is one.
 4. A request that hits EOS, a stop id or its token budget leaves the batch at once and gives its
    slots and row back; the next step may admit a waiting request into the room it left.
+   `abort` does the same at once for a request its caller no longer wants (the server's client
+   went away, or a stop string matched), waiting or running.
 
 `step()` returns the (request, token) pairs it produced, so a caller can stream them.
 """
@@ -122,6 +124,16 @@ class Engine:
         self.waiting.append(req)
         return req
 
+    def abort(self, req: Request):
+        """Drop a request between steps, waiting or running, and give back its slots and row."""
+        if req.finished:
+            return
+        if req in self.waiting:
+            self.waiting.remove(req)
+            req.finished = True
+        else:
+            self._finish(req)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -154,6 +166,7 @@ class Engine:
         return admitted
 
     def _prefill(self, reqs: list[Request]) -> list[tuple[Request, int]]:
+        self.running.extend(reqs)  # before the forward pass: if it raises, `abort` still finds them
         lens = [len(r.prompt_ids) for r in reqs]
         slots = self.slots.alloc(sum(lens))
         req_to_token = self.req_to_token_pool.req_to_token
@@ -163,7 +176,6 @@ class Engine:
             [t for r in reqs for t in r.prompt_ids], [0] * len(reqs), lens, [r.row for r in reqs], slots, self.device
         )
         logits = self.model(batch, self.attn)
-        self.running.extend(reqs)
         return self._sample_and_retire(reqs, logits)
 
     def _decode(self) -> list[tuple[Request, int]]:
