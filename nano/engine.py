@@ -12,7 +12,9 @@ Life of a request:
    token. Decode passes go through the CUDA-graph runner when there is one.
 4. A request that hits EOS, a stop id or its token budget leaves the batch at once. Its tokens
    and slots go into the prefix cache (or back to the allocator without one), its row back to the
-   table; the next step may admit a waiting request into the room it left.
+   table; the next step may admit a waiting request into the room it left. `abort` does the same
+   at once for a request its caller no longer wants (the server's client went away, or a stop
+   string matched), whatever its state.
 
 Room is counted in slots: the pool, less what admitted requests may still need, less cached
 slots that running requests lock. Cached slots nobody locks count as free: they are evicted,
@@ -148,6 +150,21 @@ class Engine:
         self.next_rid += 1
         self.waiting.append(req)
         return req
+
+    def abort(self, req: Request):
+        """Drop a request between steps, whatever its state (waiting, part-way through a chunked
+        prompt, running, or caught in a step that raised), and give back all it holds."""
+        if req.finished:
+            return
+        req.finished = True
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        if self.chunked is req:
+            self.chunked, self.decode_owed = None, False
+        if req.row >= 0:  # admitted: it holds a row, slots and a claim on the pool
+            self._release(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked)

@@ -186,15 +186,20 @@ def run(args):
           f"({s['decode_tokens'] / max(s['decode_s'], 1e-9):.1f} tok/s)", file=sys.stderr)
 
 
-def main(argv=None):
+def one_line_errors() -> tuple[type[Exception], ...]:
+    """What a command line reports as one `error: ...` line with exit status 2."""
     from nano.cuda_graph_runner import GraphCaptureError
     from nano.default_model import DefaultModelError
     from nano.tokenizer import TokenizerError
 
+    return UsageError, ConfigError, WeightError, TokenizerError, DefaultModelError, GraphCaptureError
+
+
+def main(argv=None):
     try:
         args = build_parser().parse_args(argv)
         run(args)
-    except (UsageError, ConfigError, WeightError, TokenizerError, DefaultModelError, GraphCaptureError) as e:
+    except one_line_errors() as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:

@@ -91,10 +91,14 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self._chat_template is not None
 
-    def apply_chat_template(self, prompt: str) -> str:
-        """The prompt as one user turn, followed by the header that asks the assistant to answer."""
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        """The conversation (role/content dicts), followed by the header that asks the assistant to answer."""
         return self._chat_template.render(
-            messages=[{"role": "user", "content": prompt}],
+            messages=messages,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
             add_generation_prompt=True,
@@ -103,10 +107,14 @@ class Tokenizer:
             documents=None,
         )
 
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        # The rendered text already holds every special token the model should see.
+        return self._tokenizer.encode(self.apply_chat_template(messages), add_special_tokens=False).ids
+
     def encode_prompt(self, prompt: str, use_chat_template: bool) -> list[int]:
+        """One prompt: as a single user turn through the chat template, or as raw text."""
         if use_chat_template and self.has_chat_template:
-            # The rendered text already holds every special token the model should see.
-            return self._tokenizer.encode(self.apply_chat_template(prompt), add_special_tokens=False).ids
+            return self.encode_chat([{"role": "user", "content": prompt}])
         if self.add_bos_token is False:
             return self._tokenizer.encode(prompt, add_special_tokens=False).ids
         ids = self._tokenizer.encode(prompt).ids  # the post-processor adds what it adds (Llama-3: BOS)

@@ -46,21 +46,24 @@ def test_several_prompts_print_in_order(smollm2_dir, tmp_path):
     assert "Paris" in blocks[1] and "Italy" in blocks[2] and "Red" in blocks[3]
 
 
-@pytest.fixture
-def tiny_model(tmp_path, smollm2_dir):
-    """A tiny random Llama that uses SmolLM2's tokenizer."""
-    folder = tmp_path / "tiny"
+def save_tiny_chat_model(folder, tokenizer_dir, **config):
+    """A tiny random Llama with a real vocabulary, tokenizer and chat template (SmolLM2's)."""
     folder.mkdir()
     save_tiny_llama(folder, "gqa")
-    config = json.loads((folder / "config.json").read_text())
-    config["vocab_size"] = 49152
+    config = {**json.loads((folder / "config.json").read_text()), "vocab_size": 49152, **config}
     (folder / "config.json").write_text(json.dumps(config))
     weights = load_file(folder / "model.safetensors")
     weights["model.embed_tokens.weight"] = torch.randn(49152, 64)
     weights["lm_head.weight"] = torch.randn(49152, 64)
     save_file(weights, folder / "model.safetensors")
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smollm2_dir / name, folder / name)
+        shutil.copy(tokenizer_dir / name, folder / name)
+    return folder
+
+
+@pytest.fixture
+def tiny_model(tmp_path, smollm2_dir):
+    folder = save_tiny_chat_model(tmp_path / "tiny", smollm2_dir)
     result = run_cli("--model", str(folder), "--prompt", "hi", "--max-new-tokens", "3")
     assert result.returncode == 0, result.stderr
     return folder

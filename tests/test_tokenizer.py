@@ -41,7 +41,7 @@ def test_chat_template_matches_hf(tokenizer, hf_tokenizer):
     text = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     ids = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
     assert tokenizer.has_chat_template
-    assert tokenizer.apply_chat_template(QUESTION) == text
+    assert tokenizer.apply_chat_template(messages) == text
     assert tokenizer.encode_prompt(QUESTION, use_chat_template=True) == ids
 
 

@@ -1,0 +1,219 @@
+"""Serving benchmark: many clients against a running server, as SGLang's bench_serving measures it.
+
+    python -m nano.bench_serving --base-url http://127.0.0.1:30000 --num-prompts 1000 --dataset random \\
+        --random-input-len 1024 --random-range-ratio 0.125 --random-output-len 512 --random-output-range-ratio 0.25
+
+A batch benchmark (bench_latency) times the engine alone; users see a server: requests arrive
+over time, wait for room in the batch, share every decode step with strangers, and get their
+tokens through HTTP. This client sends `--num-prompts` streaming completions, arriving as a
+Poisson process at `--request-rate` per second (`inf`: all at once), at most `--max-concurrency`
+in flight, and times every streamed token. Per request:
+- TTFT, time to first token: queueing plus prefill, what a user waits before anything shows;
+- TPOT, time per output token after the first: (latency - TTFT) / (output tokens - 1);
+- ITL, inter-token latency: the gaps between consecutive tokens, each one a decode step (or a
+  stall while the server prefilled someone else's prompt);
+- E2E latency: request sent to last token.
+Throughput is tokens over the whole run's wall time.
+
+Prompts are token ids (the server needs no tokenizer) from one of three datasets: `random` (lengths
+uniform in [len * ratio, len]: above, inputs of 128-1024 tokens, outputs of 128-512), `shared-prefix` (one common prefix, then a unique suffix each: what
+a prefix cache can save), or a JSONL file with a `prompt` (text or token ids) and optional
+`output_len` per line. `ignore_eos` makes every request generate exactly its output length.
+"""
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+
+@dataclass
+class Result:
+    ok: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)  # seconds between consecutive chunks with tokens
+
+
+def make_prompts(args, vocab_size: int) -> list[tuple[str | list[int], int]]:
+    """-> (prompt, output length) per request."""
+    rng = random.Random(args.seed)
+
+    def length(n: int, ratio: float) -> int:
+        return rng.randint(max(int(n * ratio), 1), n)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(vocab_size) for _ in range(n)]
+
+    def output_len() -> int:
+        return length(args.random_output_len, args.random_output_range_ratio)
+
+    if args.dataset == "random":
+        return [(tokens(length(args.random_input_len, args.random_range_ratio)), output_len())
+                for _ in range(args.num_prompts)]
+    if args.dataset == "shared-prefix":
+        prefix = tokens(args.shared_prefix_len)
+        return [(prefix + tokens(args.suffix_len), output_len()) for _ in range(args.num_prompts)]
+    with open(args.dataset) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    rows = (rows * (args.num_prompts // max(len(rows), 1) + 1))[: args.num_prompts]  # cycle through the file
+    return [(row["prompt"], row.get("output_len", args.random_output_len)) for row in rows]
+
+
+async def send(session, url: str, model: str, prompt, output_len: int) -> Result:
+    body = dict(model=model, prompt=prompt, max_tokens=output_len, temperature=0, ignore_eos=True, stream=True,
+                stream_options={"include_usage": True})
+    result, started = Result(), time.perf_counter()
+    last = started
+    try:
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                result.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return result
+            async for line in resp.content:  # one SSE line at a time, timed as it lands
+                now = time.perf_counter()
+                if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    result.error = chunk["error"]["message"]
+                    return result
+                if chunk.get("usage"):
+                    result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk["choices"] and chunk["choices"][0]["token_ids"]:  # ITL: chunk to chunk
+                    if result.ttft == 0.0:
+                        result.ttft = now - started
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+    except aiohttp.ClientError as e:
+        result.error = f"{type(e).__name__}: {e}"
+        return result
+    result.latency = last - started
+    result.ok = result.output_tokens == output_len
+    if not result.ok:
+        result.error = f"asked for {output_len} tokens, got {result.output_tokens}"
+    return result
+
+
+async def run(session, args, prompts, model: str) -> tuple[list[Result], float]:
+    rng = random.Random(args.seed)
+    limit = asyncio.Semaphore(args.max_concurrency or len(prompts))
+
+    async def one(prompt, output_len):
+        async with limit:
+            return await send(session, args.base_url, model, prompt, output_len)
+
+    started, tasks = time.perf_counter(), []
+    for prompt, output_len in prompts:
+        tasks.append(asyncio.create_task(one(prompt, output_len)))
+        if args.request_rate != float("inf"):
+            await asyncio.sleep(rng.expovariate(args.request_rate))  # Poisson arrivals
+    results = await asyncio.gather(*tasks)
+    return results, time.perf_counter() - started
+
+
+def report(args, results: list[Result], duration: float):
+    ok = [r for r in results if r.ok]
+    failed = [r for r in results if not r.ok]
+    ttft, e2e = ms([r.ttft for r in ok]), ms([r.latency for r in ok])
+    tpot = ms([(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1])
+    itl = ms([gap for r in ok for gap in r.itl])
+    inputs, outputs = sum(r.prompt_tokens for r in ok), sum(r.output_tokens for r in ok)
+    rows = [
+        ("Traffic request rate:", args.request_rate),
+        ("Max request concurrency:", args.max_concurrency or "not set"),
+        ("Successful requests:", len(ok)),
+        ("Failed requests:", len(failed)),
+        ("Benchmark duration (s):", f"{duration:.2f}"),
+        ("Total input tokens:", inputs),
+        ("Total generated tokens:", outputs),
+        ("Request throughput (req/s):", f"{len(ok) / duration:.2f}"),
+        ("Input token throughput (tok/s):", f"{inputs / duration:.2f}"),
+        ("Output token throughput (tok/s):", f"{outputs / duration:.2f}"),
+        ("Total token throughput (tok/s):", f"{(inputs + outputs) / duration:.2f}"),
+        ("Concurrency:", f"{sum(r.latency for r in ok) / duration:.2f}"),
+    ]
+    print(f"{' Serving Benchmark Result ':=^50}")
+    for name, value in rows:
+        print(f"{name:<40} {value:<10}")
+    for title, name, values in [("End-to-End Latency", "E2E Latency", e2e), ("Time to First Token", "TTFT", ttft),
+                                ("Time per Output Token (excl. 1st token)", "TPOT", tpot),
+                                ("Inter-Token Latency", "ITL", itl)]:
+        print(f"{title:-^50}")
+        print(f"{f'Mean {name} (ms):':<40} {statistics.mean(values):<10.2f}")
+        print(f"{f'Median {name} (ms):':<40} {statistics.median(values):<10.2f}")
+        print(f"{f'P99 {name} (ms):':<40} {percentile(values, 99):<10.2f}")
+    print("=" * 50)
+    if any(len(r.itl) != r.output_tokens - 1 for r in ok):
+        print("warning: some chunks carried several tokens, so ITL spans them", file=sys.stderr)
+    if failed:
+        print(f"first failure: {failed[0].error}", file=sys.stderr)
+
+
+def ms(seconds: list[float]) -> list[float]:
+    return [s * 1000 for s in seconds] or [0.0]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ranked = sorted(values)
+    return ranked[min(int(len(ranked) * q / 100), len(ranked) - 1)]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m nano.bench_serving", description=__doc__.split("\n")[0])
+    p.add_argument("--base-url", default="http://127.0.0.1:30000")
+    p.add_argument("--api-key", help="sent as Authorization: Bearer KEY")
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--dataset", default="random", help="random, shared-prefix, or a JSONL file of prompts")
+    p.add_argument("--random-input-len", type=int, default=1024)
+    p.add_argument("--random-output-len", type=int, default=128, help="also the output length of shared-prefix")
+    p.add_argument("--random-range-ratio", type=float, default=1.0, help="lengths uniform in [len * ratio, len]")
+    p.add_argument("--random-output-range-ratio", type=float, default=None,
+                   help="the same for output lengths alone (default: --random-range-ratio)")
+    p.add_argument("--shared-prefix-len", type=int, default=2000)
+    p.add_argument("--suffix-len", type=int, default=100)
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second (inf: all at once)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    p.add_argument("--seed", type=int, default=1)
+    args = p.parse_args(argv)
+    if args.random_output_range_ratio is None:
+        args.random_output_range_ratio = args.random_range_ratio
+    if args.num_prompts < 1 or args.request_rate <= 0 or not (
+            0 <= args.random_range_ratio <= 1 and 0 <= args.random_output_range_ratio <= 1):
+        p.error("--num-prompts and --request-rate must be > 0, the range ratios in [0, 1]")
+    args.base_url = args.base_url.rstrip("/")
+    asyncio.run(benchmark(args))
+
+
+async def benchmark(args):
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    # one connection per request in flight: aiohttp's default pool of 100 would queue the rest
+    async with aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=None)) as session:
+        async with session.get(args.base_url + "/v1/models") as resp:
+            if resp.status != 200:
+                sys.exit(f"error: GET /v1/models: HTTP {resp.status}: {await resp.text()}")
+            card = (await resp.json())["data"][0]
+        prompts = make_prompts(args, card["vocab_size"])
+        # one request first, untimed: the first prefill and decode may compile kernels
+        print(f"model {card['id']}: one warm-up request, then {len(prompts)} timed ...", file=sys.stderr)
+        warmup = await send(session, args.base_url, card["id"], *prompts[0])
+        if not warmup.ok:
+            sys.exit(f"error: the warm-up request failed: {warmup.error}")
+        results, duration = await run(session, args, prompts, card["id"])
+    report(args, results, duration)
+
+
+if __name__ == "__main__":
+    main()

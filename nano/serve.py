@@ -1,0 +1,466 @@
+"""An OpenAI-compatible HTTP server: `python -m nano.serve --model DIR --port 30000`.
+
+Serving puts the engine (engine.py) behind a web API that many clients call at once. Two loops
+meet here:
+- the engine loop runs on a thread of its own and never waits on the network: between steps it
+  takes new requests and aborts from a thread-safe inbox, runs one step, and hands the step's new
+  tokens to the HTTP side in one batch (`loop.call_soon_threadsafe`);
+- the HTTP side is an asyncio event loop (FastAPI on uvicorn) with one coroutine per request: it
+  turns tokens into text, cuts the text where a stop string begins, and answers with one JSON
+  body, or with Server-Sent Events (`data: {json}` lines ending with `data: [DONE]`), one event
+  per token so a client can time every token.
+A `Stream` per request joins the two: its prompt and settings go in, its events come back.
+
+Every request gets an answer, and no request can take the server down. Bad input is a 400 with
+OpenAI's error JSON; a step that raises fails the requests it was running with a 500 and the loop
+goes on; a client that goes away aborts its request, so its KV slots return to the pool at once;
+SIGINT/SIGTERM stop accepting connections, let in-flight requests finish, and exit 0.
+
+Extensions to OpenAI's API, as SGLang and vLLM have them: `top_k`, `ignore_eos`, and the generated
+`token_ids` in every choice, so a server without a tokenizer (a shipped shape with dummy weights)
+takes token-id prompts and still says what it generated.
+"""
+
+import asyncio
+import json
+import queue
+import secrets
+import signal
+import sys
+import threading
+import time
+import traceback
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Annotated, Literal
+
+import jinja2
+import uvicorn
+from fastapi import Depends, FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
+
+from nano.config import load_config
+from nano.engine import Request
+from nano.generate import ArgumentParser, UsageError, add_engine_args, engine_from_args, one_line_errors, resolve_model
+from nano.sampling import SamplingParams
+from nano.tokenizer import StreamDecoder, Tokenizer
+
+MAX_BODY_BYTES = 4 << 20  # a context's worth of text or token ids is far less
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions; chat runs to the context
+
+
+class EngineFailure(Exception):
+    """A step raised while running this request."""
+
+
+@dataclass
+class Stream:
+    """One request on its way through the engine thread. `events` receives a ValueError if the
+    engine refuses the request, else one (token, finish_reason) per token, finish_reason None until
+    the last; or an EngineFailure."""
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop_ids: set[int]
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    request: Request | None = None  # the engine's, set and read on the engine thread only
+
+
+class EngineThread:
+    def __init__(self, engine, loop: asyncio.AbstractEventLoop):
+        self.engine, self.loop = engine, loop
+        self.inbox = queue.SimpleQueue()  # ("add" | "abort", stream) or ("stop", None)
+        self.streams: dict[int, Stream] = {}  # rid -> stream, while the engine holds the request
+        self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.thread.start()
+
+    def submit(self, stream: Stream):
+        self.inbox.put(("add", stream))
+
+    def abort(self, stream: Stream):
+        self.inbox.put(("abort", stream))  # a no-op for a request that is done already
+
+    def stop(self):
+        self.inbox.put(("stop", None))
+        self.thread.join()
+
+    def _run(self):
+        while True:
+            # sleep while idle; while busy take whatever has arrived between two steps
+            messages = [] if self.engine.has_work() else [self.inbox.get()]
+            while not self.inbox.empty():
+                messages.append(self.inbox.get())
+            for kind, stream in messages:
+                if kind == "stop":
+                    return
+                if kind == "add":
+                    self._add(stream)
+                else:
+                    self._abort(stream)
+            if self.engine.has_work():
+                self._step()
+
+    def _add(self, stream: Stream):
+        try:
+            stream.request = self.engine.add_request(stream.prompt_ids, stream.params, stream.stop_ids)
+        except ValueError as e:
+            self.loop.call_soon_threadsafe(stream.events.put_nowait, e)
+            return
+        self.streams[stream.request.rid] = stream
+
+    def _abort(self, stream: Stream):
+        if stream.request is not None and self.streams.pop(stream.request.rid, None):
+            self.engine.abort(stream.request)
+
+    def _step(self):
+        try:
+            events = self.engine.step()
+        except Exception as e:  # a bug or a device error: fail what the step ran, keep serving
+            traceback.print_exc()
+            failed = [self.streams.pop(req.rid) for req in list(self.engine.running)]
+            for stream in failed:
+                self.engine.abort(stream.request)
+            failure = EngineFailure(f"the engine failed on this request ({type(e).__name__}); see the server log")
+            self.loop.call_soon_threadsafe(_deliver, [(stream, failure) for stream in failed])
+            return
+        out = []
+        for req, token in events:
+            reason = None
+            if req.finished:
+                reason = "stop" if token in req.stop_ids else "length"
+            out.append((self.streams.pop(req.rid) if reason else self.streams[req.rid], (token, reason)))
+        self.loop.call_soon_threadsafe(_deliver, out)
+
+
+def _deliver(events: list[tuple[Stream, object]]):
+    for stream, event in events:
+        stream.events.put_nowait(event)
+
+
+class Detokenizer:
+    """One request's tokens to text: StreamDecoder's pieces, held back while they may be the start
+    of a stop string, and cut where one begins."""
+
+    def __init__(self, tokenizer: Tokenizer | None, context_ids: list[int], stop: list[str]):
+        self.decoder = StreamDecoder(tokenizer, context_ids) if tokenizer else None
+        self.stop, self.held = stop, ""
+
+    def push(self, token: int) -> tuple[str, bool]:
+        """-> (text to send now, whether a stop string was reached)."""
+        if self.decoder is None:
+            return "", False
+        text = self.held + self.decoder.push(token)
+        cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if cuts:
+            return text[: min(cuts)], True
+        held = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        self.held = text[len(text) - held :]
+        return text[: len(text) - held], False
+
+
+# ---- the API's request bodies --------------------------------------------------------------
+Int64 = Annotated[int, Field(ge=0, le=2**63 - 1)]  # seeds and top-k end up in int64 tensors
+StopString = Annotated[str, Field(min_length=1)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
+
+
+class GenerationRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)  # an unknown field is a feature we lack
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0)  # OpenAI's default; 0 is greedy
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: Int64 = 0  # 0: off
+    seed: Int64 | None = None
+    stop: StopString | list[StopString] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Literal[1] = 1
+    ignore_eos: bool = False
+    user: str | None = None
+
+
+class CompletionRequest(GenerationRequest):
+    prompt: str | list[int]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatRequest(GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        kind = "server_error" if self.status >= 500 else "invalid_request_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+async def read_json(http: HTTPRequest) -> dict:
+    too_large = APIError(413, f"request body is over {MAX_BODY_BYTES} bytes")
+    if int(http.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+        raise too_large
+    body = bytearray()
+    async for chunk in http.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise too_large
+    try:
+        data = json.loads(body)
+    except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+        raise APIError(400, f"request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "request body must be a JSON object")
+    return data
+
+
+async def until_disconnected(http: HTTPRequest, awaitable):
+    """Await `awaitable`; None if the client disconnects first (after its body was read, the next
+    ASGI message is the disconnect)."""
+    async def disconnected():
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+
+    work, gone = asyncio.ensure_future(awaitable), asyncio.ensure_future(disconnected())
+    await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
+    gone.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    return None
+
+
+def _sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+# ---- the app ---------------------------------------------------------------------------------
+def build_app(engine, tokenizer: Tokenizer | None, model_name: str, api_key: str | None = None) -> FastAPI:
+    stop_ids = set(engine.cfg.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
+
+    @asynccontextmanager
+    async def lifespan(app):  # the engine thread needs the event loop, which runs from here on
+        app.state.engine_thread = EngineThread(engine, asyncio.get_running_loop())
+        yield
+        app.state.engine_thread.stop()
+
+    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(APIError)
+    async def api_error(_, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(HTTPException)  # unknown paths and methods, in the same JSON
+    async def http_error(_, e: HTTPException):
+        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)  # a bug: the client gets one line, the log the traceback
+    async def internal_error(_, e: Exception):
+        return JSONResponse(APIError(500, f"internal error ({type(e).__name__})").body(), status_code=500)
+
+    async def check_api_key(http: HTTPRequest):
+        sent = http.headers.get("authorization", "")
+        if api_key is not None and not secrets.compare_digest(sent.encode(), f"Bearer {api_key}".encode()):
+            raise APIError(401, "missing or wrong API key (send Authorization: Bearer KEY)", code="invalid_api_key")
+
+    authorized = [Depends(check_api_key)]
+
+    @app.get("/health")
+    async def health():
+        # KV slots: free, or holding cached prefixes (evictable unless a running request locks them)
+        cache = engine.prefix_cache
+        return {"status": "ok", "total_slots": engine.kv_pool.num_slots - 1, "free_slots": engine.slots.available,
+                "cached_slots": cache.size if cache else 0, "locked_slots": cache.locked_size if cache else 0,
+                "running": len(engine.running), "waiting": len(engine.waiting)}
+
+    @app.get("/v1/models", dependencies=authorized)
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "nano",
+                                            "max_model_len": engine.context_length, "vocab_size": engine.cfg.vocab_size}]}
+
+    @app.post("/v1/completions", dependencies=authorized)
+    async def completions(http: HTTPRequest):
+        body = await parse(http, CompletionRequest)
+        if not body.prompt:
+            raise APIError(400, "prompt is empty", param="prompt")
+        if isinstance(body.prompt, list):
+            if not all(0 <= t < engine.cfg.vocab_size for t in body.prompt):
+                raise APIError(400, f"prompt token ids must be in [0, {engine.cfg.vocab_size})", param="prompt")
+            prompt_ids = body.prompt
+        else:
+            prompt_ids = need_tokenizer("a text prompt").encode_prompt(body.prompt, use_chat_template=False)
+        return await generate(http, body, prompt_ids, chat=False)
+
+    @app.post("/v1/chat/completions", dependencies=authorized)
+    async def chat_completions(http: HTTPRequest):
+        body = await parse(http, ChatRequest)
+        chat_tokenizer = need_tokenizer("chat")
+        if not chat_tokenizer.has_chat_template:
+            raise APIError(400, "this model has no chat template: use /v1/completions")
+        try:
+            prompt_ids = chat_tokenizer.encode_chat([m.model_dump() for m in body.messages])
+        except jinja2.TemplateError as e:
+            raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from None
+        return await generate(http, body, prompt_ids, chat=True)
+
+    async def parse(http: HTTPRequest, schema: type[GenerationRequest]):
+        try:
+            body = schema.model_validate(await read_json(http))
+        except ValidationError as e:  # up to three of the problems, each with where it is
+            errors = e.errors()
+            message = "; ".join(f"{'.'.join(map(str, err['loc']))}: " + (
+                "not supported by this server" if err["type"] == "extra_forbidden" else err["msg"]) for err in errors[:3])
+            raise APIError(400, message, param=str(errors[0]["loc"][0]) if errors[0]["loc"] else None) from None
+        if body.model not in (None, model_name):
+            raise APIError(404, f"model {body.model!r} does not exist; this server serves {model_name!r}",
+                           param="model", code="model_not_found")
+        if body.stop and tokenizer is None:
+            raise APIError(400, "stop strings need a tokenizer; this server has none (see --tokenizer)", param="stop")
+        return body
+
+    def need_tokenizer(what: str) -> Tokenizer:
+        if tokenizer is None:
+            raise APIError(400, f"{what} needs a tokenizer; this server has none (see --tokenizer): "
+                           "send the prompt as token ids to /v1/completions")
+        return tokenizer
+
+    async def generate(http: HTTPRequest, body, prompt_ids: list[int], chat: bool):
+        max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
+                                max_new_tokens=max_tokens or (engine.context_length if chat else DEFAULT_COMPLETION_TOKENS),
+                                ignore_eos=body.ignore_eos)
+        stream, engine_thread = Stream(prompt_ids, params, stop_ids), app.state.engine_thread
+        engine_thread.submit(stream)
+        # the first event decides the status: a refusal is a 400, before any response has started
+        first = await until_disconnected(http, stream.events.get())
+        if first is None:
+            engine_thread.abort(stream)
+            return Response(status_code=499)  # nobody is listening (nginx's code for it)
+        if isinstance(first, ValueError):
+            raise APIError(400, str(first))
+        stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+        # chat output starts a new message; a completion continues its prompt's text
+        pieces = _pieces(stream, first, Detokenizer(tokenizer, [] if chat else prompt_ids, stop), engine_thread)
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
+                "model": model_name, "object": "text_completion"}
+        if chat:
+            head["object"] = "chat.completion.chunk" if body.stream else "chat.completion"
+
+        def choice(text: str, tokens: list[int], reason: str | None, first: bool = False) -> dict:
+            if not chat:
+                content = {"text": text}
+            elif body.stream:
+                content = {"delta": {"role": "assistant", "content": text} if first else {"content": text}}
+            else:
+                content = {"message": {"role": "assistant", "content": text}}
+            return {"index": 0, **content, "token_ids": tokens, "logprobs": None, "finish_reason": reason}
+
+        def usage(n: int) -> dict:
+            return {"prompt_tokens": len(prompt_ids), "completion_tokens": n, "total_tokens": len(prompt_ids) + n}
+
+        if body.stream:
+            async def events():
+                n = 0
+                try:
+                    async for text, token, reason in pieces:
+                        n += 1
+                        yield _sse({**head, "choices": [choice(text, [token], reason, first=n == 1)]})
+                except EngineFailure as e:
+                    yield _sse(APIError(500, str(e)).body())
+                else:
+                    if body.stream_options and body.stream_options.include_usage:
+                        yield _sse({**head, "choices": [], "usage": usage(n)})
+                yield _sse("[DONE]")
+
+            # runs once the stream ends, also when the client hung up: then it frees the request
+            return StreamingResponse(events(), media_type="text/event-stream",
+                                     background=BackgroundTask(engine_thread.abort, stream))
+
+        async def collect():
+            return [piece async for piece in pieces]
+
+        try:
+            collected = await until_disconnected(http, collect())
+        except EngineFailure as e:
+            raise APIError(500, str(e)) from None
+        if collected is None:
+            engine_thread.abort(stream)
+            return Response(status_code=499)
+        texts, tokens, reasons = zip(*collected)
+        return {**head, "choices": [choice("".join(texts), list(tokens), reasons[-1])], "usage": usage(len(tokens))}
+
+    return app
+
+
+async def _pieces(stream: Stream, event, detokenizer: Detokenizer, engine_thread: EngineThread):
+    """-> (text, token, finish_reason) per token, finish_reason set on the last; raises EngineFailure."""
+    while True:
+        if isinstance(event, EngineFailure):
+            raise event
+        token, reason = event
+        text, stopped = detokenizer.push(token)
+        if stopped:
+            engine_thread.abort(stream)
+            yield text, token, "stop"
+            return
+        if reason:
+            yield text + detokenizer.held, token, reason
+            return
+        yield text, token, None
+        event = await stream.events.get()
+
+
+# ---- the command line ------------------------------------------------------------------------
+def main(argv=None):
+    p = ArgumentParser(prog="python -m nano.serve", description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="HF model folder, or a shipped shape name with --load-format dummy")
+    p.add_argument("--load-format", choices=["safetensors", "dummy"], default="safetensors")
+    p.add_argument("--tokenizer", help="folder whose tokenizer to use (default: the model's, if it has one)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every endpoint but /health")
+    add_engine_args(p)
+    try:
+        args = p.parse_args(argv)
+        model_dir = resolve_model(args.model, args.load_format)
+        vocab_size = load_config(model_dir).vocab_size
+        tokenizer_dir = args.tokenizer or model_dir
+        tokenizer = Tokenizer(tokenizer_dir) if args.tokenizer or (model_dir / "tokenizer.json").is_file() else None
+        if tokenizer is None:
+            print("no tokenizer: /v1/completions takes token-id prompts only (see --tokenizer)", file=sys.stderr)
+        elif tokenizer.vocab_size > vocab_size:
+            raise UsageError(f"the tokenizer in {tokenizer_dir} has {tokenizer.vocab_size} tokens; "
+                             f"the model's vocabulary only {vocab_size}")
+        engine = engine_from_args(args, model_dir)
+    except one_line_errors() as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    app = build_app(engine, tokenizer, model_dir.name, args.api_key)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
+    # uvicorn handles SIGINT/SIGTERM itself (a graceful shutdown), then re-raises the signal into
+    # the handlers it found: make those no-ops, so a requested shutdown exits 0
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,347 @@
+"""The OpenAI-compatible server (nano/serve.py) on a tiny random Llama with SmolLM2's tokenizer:
+the official openai client gets nano.generate's greedy text; concurrent, disconnecting and
+misbehaving clients; stop strings; the API key; SIGTERM with a request in flight; and, in-process,
+an engine step that raises."""
+
+import asyncio
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import aiohttp
+import openai
+import pytest
+import uvicorn
+
+from nano.engine import Engine
+from nano.serve import MAX_BODY_BYTES, build_app
+from nano.tokenizer import Tokenizer
+from tests.test_cli import run_cli, save_tiny_chat_model
+
+API_KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+PROMPT = "What is the capital of France?"
+# one thread: for a model this small, splitting each op across threads costs more than it saves
+SERVER_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model, log_path, *flags):
+    port = free_port()
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "nano.serve", "--model", str(model), "--port", str(port),
+                             "--max-total-tokens", "100000", "--max-running-requests", "64", *flags],
+                            stdout=log, stderr=subprocess.STDOUT, env=SERVER_ENV)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        assert proc.poll() is None, open(log_path).read()
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1)
+            return proc, url
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(f"server did not come up: {open(log_path).read()}")
+
+
+def call(url, path, body=None, headers=AUTH, raw: bytes | None = None):
+    """-> (status, parsed JSON body)."""
+    data = raw if raw is not None else None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+async def read_stream(session, url, path, body) -> list:
+    """A streaming request's events, parsed; the last is the string "[DONE]"."""
+    async with session.post(url + path, json={**body, "stream": True}, headers=AUTH) as resp:
+        assert resp.status == 200, await resp.text()
+        data = [line[6:].strip() async for line in resp.content if line.startswith(b"data: ")]
+        return [json.loads(d) if d != b"[DONE]" else "[DONE]" for d in data]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, smollm2_dir):
+    # a long context, so a request can be asked for far more tokens than a test waits for
+    return save_tiny_chat_model(tmp_path_factory.mktemp("serve") / "tiny", smollm2_dir, max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    proc, url = start_server(tiny_model, tmp_path_factory.mktemp("log") / "server.log", "--api-key", API_KEY)
+    yield url
+    proc.terminate()
+    try:
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()  # a no-op once it has exited
+
+
+def wait_until_idle(url, timeout=10) -> dict:
+    deadline = time.time() + timeout
+    while True:
+        _, health = call(url, "/health")
+        idle = health["running"] == health["waiting"] == health["locked_slots"] == 0
+        if idle and health["free_slots"] + health["cached_slots"] == health["total_slots"]:
+            return health
+        assert time.time() < deadline, f"requests left behind: {health}"
+        time.sleep(0.1)
+
+
+def test_openai_client_gets_the_text_of_generate(server, tiny_model):
+    chat_reference = run_cli("--model", str(tiny_model), "--prompt", PROMPT, "--max-new-tokens", "24")
+    raw_reference = run_cli("--model", str(tiny_model), "--prompt", PROMPT, "--max-new-tokens", "24",
+                            "--no-chat-template")
+    chat_reference, raw_reference = (r.stdout.removesuffix("\n") for r in (chat_reference, raw_reference))
+    assert chat_reference and raw_reference and chat_reference != raw_reference
+
+    client = openai.OpenAI(base_url=server + "/v1", api_key=API_KEY)
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    chat = dict(model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=24, temperature=0)
+    reply = client.chat.completions.create(**chat)
+    assert reply.choices[0].message.content == chat_reference
+    assert reply.usage.completion_tokens <= 24 and reply.choices[0].finish_reason in ("stop", "length")
+    chunks = client.chat.completions.create(**chat, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat_reference
+
+    completion = dict(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0)
+    assert client.completions.create(**completion).choices[0].text == raw_reference
+    chunks = client.completions.create(**completion, stream=True)
+    assert "".join(c.choices[0].text for c in chunks) == raw_reference
+
+
+def test_64_concurrent_streams(server):
+    async def one(session, i):
+        body = dict(prompt=list(range(100, 110 + i)), max_tokens=4 + i % 13, temperature=1.0, seed=i,
+                    ignore_eos=True, stream_options={"include_usage": True})
+        events = await read_stream(session, server, "/v1/completions", body)
+        *chunks, usage, done = events
+        assert done == "[DONE]" and usage["usage"]["completion_tokens"] == body["max_tokens"]
+        assert usage["usage"]["prompt_tokens"] == 10 + i
+        # one event per token, so a client can time each one
+        assert [len(c["choices"][0]["token_ids"]) for c in chunks] == [1] * body["max_tokens"]
+        assert [c["choices"][0]["finish_reason"] for c in chunks][-2:] == [None, "length"]
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            await asyncio.gather(*(one(session, i) for i in range(64)))
+
+    asyncio.run(main())
+    wait_until_idle(server)
+
+
+def test_disconnected_clients_leave_no_trace(server):
+    # each asks for thousands of tokens: only an abort frees them within the wait below
+    body = dict(prompt=[200, 201, 202], max_tokens=4000, ignore_eos=True)
+
+    async def hang_up_mid_stream(session):
+        async with session.post(server + "/v1/completions", json={**body, "stream": True}, headers=AUTH) as resp:
+            events = 0
+            async for line in resp.content:
+                events += line.startswith(b"data: ")
+                if events == 3:
+                    return  # leaving the block closes the connection
+
+    async def give_up_waiting(session):
+        with pytest.raises(asyncio.TimeoutError):
+            await session.post(server + "/v1/completions", json=body, headers=AUTH,
+                               timeout=aiohttp.ClientTimeout(total=1))
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            await asyncio.gather(*[hang_up_mid_stream(session) for _ in range(16)],
+                                 *[give_up_waiting(session) for _ in range(2)])
+
+    asyncio.run(main())
+    wait_until_idle(server)
+    assert call(server, "/v1/completions", dict(prompt="hi", max_tokens=2))[0] == 200
+
+
+TOO_LONG = "word " * 5000
+BAD_INPUTS = [  # (path, body or raw bytes, status, param)
+    ("/v1/completions", b'{"prompt": "hi", ', 400, None),
+    ("/v1/completions", b"\xff\xfe", 400, None),
+    ("/v1/completions", [1, 2], 400, None),
+    ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**70}, 400, "seed"),
+    ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [5, 10**6]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": TOO_LONG}, 400, None),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "model": "gpt-4"}, 404, "model"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": []}, 400, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": TOO_LONG}], "stream": True}, 400, None),
+    ("/v1/nowhere", {}, 404, None),
+]
+
+
+@pytest.mark.parametrize("path, body, status, param", BAD_INPUTS)
+def test_bad_input_gets_an_error_and_the_server_goes_on(server, path, body, status, param):
+    got, reply = call(server, path, raw=body if isinstance(body, bytes) else json.dumps(body).encode())
+    assert got == status, reply
+    error = reply["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
+    assert error["message"] and "\n" not in error["message"] and "Traceback" not in error["message"]
+    got, reply = call(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert got == 200 and reply["usage"]["completion_tokens"] <= 2
+
+
+def test_oversized_body_is_refused_with_413(server):
+    # announced, not sent: a client still writing when the 413 comes gets a broken pipe
+    conn = http.client.HTTPConnection(server.removeprefix("http://"), timeout=10)
+    conn.putrequest("POST", "/v1/completions")
+    for name, value in {**AUTH, "Content-Type": "application/json", "Content-Length": MAX_BODY_BYTES + 1}.items():
+        conn.putheader(name, value)
+    conn.endheaders()
+    reply = conn.getresponse()
+    assert reply.status == 413 and json.loads(reply.read())["error"]["message"]
+    conn.close()
+    assert call(server, "/v1/completions", dict(prompt="hi", max_tokens=2))[0] == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_stop_string_cuts_where_it_begins(server, path, stream):
+    body = dict(max_tokens=24, temperature=0, ignore_eos=True,
+                **({"prompt": PROMPT} if path == "/v1/completions" else {"messages": [{"role": "user", "content": PROMPT}]}))
+
+    def text_of(reply):
+        choice = reply["choices"][0]
+        return choice["text"] if "text" in choice else choice["message"]["content"]
+
+    full = text_of(call(server, path, body)[1])
+    stop = full[len(full) // 2 : len(full) // 2 + 4]  # a stop string the model is sure to write
+    assert len(full) > 8 and len(stop.strip()) > 0
+    body["stop"] = ["never written", stop]
+    if stream:
+        events = asyncio.run(read_stream_once(server, path, body))
+        chunks = events[:-1]
+        text = "".join(c["choices"][0].get("text") or c["choices"][0].get("delta", {}).get("content", "") for c in chunks)
+        reason = chunks[-1]["choices"][0]["finish_reason"]
+    else:
+        reply = call(server, path, body)[1]
+        text, reason = text_of(reply), reply["choices"][0]["finish_reason"]
+        assert reply["usage"]["completion_tokens"] < 24
+    assert text == full[: full.index(stop)] and reason == "stop"
+    wait_until_idle(server)
+
+
+async def read_stream_once(url, path, body):
+    async with aiohttp.ClientSession() as session:
+        return await read_stream(session, url, path, body)
+
+
+def test_api_key_is_required_except_for_health(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        status, reply = call(server, "/v1/models", headers=headers)
+        assert status == 401 and reply["error"]["code"] == "invalid_api_key"
+        assert call(server, "/v1/completions", {"prompt": "hi"}, headers=headers)[0] == 401
+    assert call(server, "/health", headers={})[0] == 200
+    assert call(server, "/v1/models")[0] == 200
+
+
+def test_sigterm_finishes_the_request_in_flight_and_exits_0(tiny_model, tmp_path):
+    proc, url = start_server(tiny_model, tmp_path / "server.log")
+    body = dict(prompt=[300, 301], max_tokens=200, ignore_eos=True, stream=True)
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url + "/v1/completions", json=body) as resp:
+                lines = resp.content.__aiter__()
+                assert (await lines.__anext__()).startswith(b"data: ")
+                proc.send_signal(signal.SIGTERM)
+                return [line async for line in lines if line.startswith(b"data: ")]
+
+    try:
+        rest = asyncio.run(main())
+        assert rest[-1] == b"data: [DONE]\n" and len(rest) == 200  # 199 more tokens, then [DONE]
+        assert proc.wait(timeout=60) == 0, (tmp_path / "server.log").read_text()
+    finally:
+        proc.kill()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(url + "/health", timeout=5)
+
+
+def test_engine_exception_fails_its_requests_with_500_and_serving_goes_on(tiny_model, monkeypatch):
+    engine = Engine(tiny_model, max_total_tokens=10000, max_requests=8, log=False)
+    passes = {"done": 0, "fail_at": None}
+    real_model = engine.model
+
+    def model(batch, attn):  # the injected fault: forward pass number `fail_at` raises
+        passes["done"] += 1
+        if passes["done"] == passes["fail_at"]:
+            raise RuntimeError("injected fault")
+        return real_model(batch, attn)
+
+    monkeypatch.setattr(engine, "model", model)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, Tokenizer(tiny_model), "tiny"), port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    url, body = f"http://127.0.0.1:{port}", dict(prompt=[5, 6, 7], max_tokens=10, ignore_eos=True)
+    try:
+        passes["fail_at"] = passes["done"] + 1  # the prefill
+        status, reply = call(url, "/v1/completions", body)
+        assert status == 500 and reply["error"]["type"] == "server_error"
+        assert "RuntimeError" in reply["error"]["message"] and "injected" not in reply["error"]["message"]
+
+        passes["fail_at"] = passes["done"] + 3  # a decode step: two tokens out, then the error
+        events = asyncio.run(read_stream_once(url, "/v1/completions", body))
+        assert [len(e["choices"]) for e in events[:2]] == [1, 1]
+        assert events[2]["error"]["type"] == "server_error" and events[3:] == ["[DONE]"]
+
+        _, health = call(url, "/health")
+        assert health["running"] == health["waiting"] == 0
+        status, reply = call(url, "/v1/completions", body)
+        assert status == 200 and reply["usage"]["completion_tokens"] == 10
+    finally:
+        server.should_exit = True
+        thread.join()
+
+
+def test_bench_serving_counts_every_token(server, tmp_path, capsys):
+    from nano import bench_serving
+
+    prompt_file = tmp_path / "prompts.jsonl"
+    prompt_file.write_text('{"prompt": "Hello there", "output_len": 5}\n{"prompt": [7, 8, 9]}\n')
+    hello_tokens = call(server, "/v1/completions", dict(prompt="Hello there", max_tokens=1))[1]["usage"]["prompt_tokens"]
+    for dataset, input_tokens, output_tokens in [("random", 6 * 32, 6 * 4), ("shared-prefix", 6 * (40 + 4), 6 * 4),
+                                                 (str(prompt_file), 3 * hello_tokens + 3 * 3, 3 * 5 + 3 * 4)]:
+        bench_serving.main(["--base-url", server, "--api-key", API_KEY, "--num-prompts", "6", "--dataset", dataset,
+                            "--random-input-len", "32", "--random-output-len", "4", "--shared-prefix-len", "40",
+                            "--suffix-len", "4", "--request-rate", "50", "--max-concurrency", "4"])
+        captured = capsys.readouterr()
+        rows = dict(line.split(":", 1) for line in captured.out.splitlines() if ":" in line)
+        assert int(rows["Successful requests"]) == 6 and int(rows["Failed requests"]) == 0
+        assert int(rows["Total input tokens"]) == input_tokens
+        assert int(rows["Total generated tokens"]) == output_tokens
+        assert float(rows["Median ITL (ms)"]) > 0 and "warning" not in captured.err
