@@ -67,6 +67,7 @@ import triton
 import triton.language as tl
 
 from nano.forward_batch import batch_bucket
+from nano.triton_ops import dot_precision
 
 MATVEC_BLOCK_N = 32  # expert_matvec's tiles (the module lesson says why)
 MATVEC_BLOCK_K = 256
@@ -186,8 +187,7 @@ def fused_moe_matmul(x: torch.Tensor, w: torch.Tensor, sorted_pair_ids: torch.Te
     assert pair_weights is None or (pair_weights.is_contiguous() and pair_weights.numel() == num_pairs)
     out = torch.empty((num_pairs, n), dtype=x.dtype, device=x.device)  # [T*k, N]
     grid = (block_expert.numel(), triton.cdiv(n, config["BLOCK_N"]))
-    # float32 inputs get full-precision products; 16-bit ones run on tensor cores, which multiply them exactly
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    precision = dot_precision(x.dtype)
     _fused_moe_kernel[grid](x, w, out, sorted_pair_ids, block_expert, pair_weights, num_pairs, n, k_dim, x.stride(0),
                             PAIRS_PER_ROW=pairs_per_row, WEIGHTED=pair_weights is not None, PRECISION=precision,
                             **config)

@@ -121,7 +121,10 @@ class EngineThread:
             events = self.engine.step()
         except Exception as e:  # a bug or a device error: fail what the step ran, keep serving
             traceback.print_exc()
-            failed = [self.streams.pop(req.rid) for req in list(self.engine.running)]
+            # every admitted request may have been in the failed pass (running ones, a prompt part-way,
+            # prompts being prefilled); waiting ones were not touched and stay queued
+            failed = [self.streams.pop(rid) for rid, stream in list(self.streams.items())
+                      if stream.request is not None and stream.request.row >= 0]
             for stream in failed:
                 self.engine.abort(stream.request)
             failure = EngineFailure(f"the engine failed on this request ({type(e).__name__}); see the server log")

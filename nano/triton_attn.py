@@ -41,10 +41,9 @@ kernels split the score dot into a power-of-two main part and the rest, so no la
 padding 192 to 256 or 576 to 1024. Softmax runs in base 2 (`tl.exp2` is one instruction):
 log2(e) is folded into the scale, and the stored LSE is in base 2 too.
 
-Every `tl.dot` asks for `input_precision="ieee"`. Triton's default for float32 inputs is TF32
-(10-bit mantissa) on tensor cores, while torch multiplies float32 in full: with `--dtype float32`
-the two backends would pick different greedy tokens. For 16-bit inputs the option is ignored and
-the dots stay on tensor cores.
+Every `tl.dot` takes its input precision from the dtype (`dot_precision`, triton_ops.py): full
+float32 for float32 inputs, where Triton's default (TF32) would make the two backends pick
+different greedy tokens with `--dtype float32`; tensor cores for 16-bit inputs.
 """
 
 import torch
@@ -53,6 +52,7 @@ import triton.language as tl
 
 from nano.forward_batch import ForwardBatch, batch_bucket
 from nano.kv_cache import KVPool
+from nano.triton_ops import dot_precision
 
 # The most chunks one request's tokens are split into, and so the size of the partial-result
 # buffers: max_batch_size * heads * 64 * v_dim floats (Llama-3-8B at 160 requests: 168 MB; MLA:
@@ -153,7 +153,7 @@ class TritonAttnBackend:
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             out.stride(0), out.stride(1), self.req_to_token.stride(0),
             scale * LOG2E,
-            GROUP=self.group, BLOCK_M=block_m, BLOCK_N=block_n,
+            GROUP=self.group, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision(q.dtype),
             **_head_dim_blocks(self.k_dim, self.v_dim),
             num_warps=num_warps, num_stages=num_stages,
         )
@@ -171,7 +171,7 @@ class TritonAttnBackend:
             *self.partial_out.stride()[:3], *self.partial_lse.stride()[:2], self.req_to_token.stride(0),
             scale * LOG2E,
             GROUP=self.group, BLOCK_H=max(16, triton.next_power_of_2(self.group)), BLOCK_N=block_n,
-            **dims,
+            DOT_PRECISION=dot_precision(q.dtype), **dims,
             num_warps=num_warps, num_stages=num_stages,
         )
         _decode_merge_kernel[(bs, self.num_heads)](
@@ -260,19 +260,19 @@ def _load_queries(q_rows, row_mask, K_MAIN: tl.constexpr, K_ROPE: tl.constexpr, 
 @triton.jit
 def _attend_tile(acc, m, l, q, q_rope, k_base, v_base, k_rows, v_rows, key_mask, score_mask, scale_log2,
                  K_MAIN: tl.constexpr, K_ROPE: tl.constexpr, BLOCK_DR: tl.constexpr,
-                 V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr):
+                 V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One step of online softmax: fold the keys/values at offsets k_rows/v_rows [N] into the
     running output acc [R, BLOCK_DV], max m [R] and sum l [R] of R queries (base-2 logits)."""
     # Masked lanes load zeros, never whatever an out-of-range slot holds: a NaN there would
     # survive multiplication by a zero probability.
     d = tl.arange(0, K_MAIN)
     k = tl.load(k_base + k_rows[None, :] + d[:, None], mask=key_mask[None, :], other=0.0)  # [K_MAIN, N]
-    scores = tl.dot(q, k, input_precision="ieee")  # [R, N], fp32
+    scores = tl.dot(q, k, input_precision=DOT_PRECISION)  # [R, N], fp32
     if BLOCK_DR > 0:
         dr = tl.arange(0, BLOCK_DR)
         k_rope = tl.load(k_base + k_rows[None, :] + K_MAIN + dr[:, None],
                          mask=key_mask[None, :] & (dr[:, None] < K_ROPE), other=0.0)  # [BLOCK_DR, N]
-        scores = tl.dot(q_rope, k_rope, scores, input_precision="ieee")
+        scores = tl.dot(q_rope, k_rope, scores, input_precision=DOT_PRECISION)
     scores = tl.where(score_mask, scores * scale_log2, float("-inf"))
 
     # Every caller's first tile has a visible key for every row, so m is finite from then on.
@@ -284,7 +284,7 @@ def _attend_tile(acc, m, l, q, q_rope, k_base, v_base, k_rows, v_rows, key_mask,
     dv = tl.arange(0, BLOCK_DV)
     v = tl.load(v_base + v_rows[:, None] + dv[None, :], mask=key_mask[:, None] & (dv[None, :] < V_DIM),
                 other=0.0)  # [N, BLOCK_DV]
-    acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     l = l * rescale + tl.sum(p, 1)
     return acc, m_new, l
 
@@ -292,7 +292,7 @@ def _attend_tile(acc, m, l, q, q_rope, k_base, v_base, k_rows, v_rows, key_mask,
 @triton.jit
 def _attend_cached(acc, m, l, q, q_rope, token_slots, start, end, k_base, v_base, stride_ks, stride_vs, scale_log2,
                    BLOCK_N: tl.constexpr, K_MAIN: tl.constexpr, K_ROPE: tl.constexpr, BLOCK_DR: tl.constexpr,
-                   V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr):
+                   V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Online softmax over a request's cached positions [start, end), all visible to every query:
     token_slots points at the request's row of req_to_token, which names each position's slot."""
     for n0 in range(start, end, BLOCK_N):
@@ -300,7 +300,8 @@ def _attend_cached(acc, m, l, q, q_rope, token_slots, start, end, k_base, v_base
         visible = pos < end
         slots = tl.load(token_slots + pos, mask=visible, other=0).to(tl.int64)
         acc, m, l = _attend_tile(acc, m, l, q, q_rope, k_base, v_base, slots * stride_ks, slots * stride_vs,
-                                 visible, visible[None, :], scale_log2, K_MAIN, K_ROPE, BLOCK_DR, V_DIM, BLOCK_DV)
+                                 visible, visible[None, :], scale_log2, K_MAIN, K_ROPE, BLOCK_DR, V_DIM, BLOCK_DV,
+                                 DOT_PRECISION)
     return acc, m, l
 
 
@@ -324,6 +325,7 @@ def _extend_kernel(
     scale_log2,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     K_MAIN: tl.constexpr, K_ROPE: tl.constexpr, BLOCK_DR: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Grid (batch, heads, query blocks): BLOCK_M new tokens of one request attend for one head."""
     b, h, m_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -346,7 +348,7 @@ def _extend_kernel(
         acc, m, l = _attend_cached(
             acc, m, l, query, query_rope, token_slots, 0, prefix_len, k_cache + kv_head * stride_kch,
             v_cache + kv_head * stride_vch, stride_kcs, stride_vcs, scale_log2,
-            BLOCK_N, K_MAIN, K_ROPE, BLOCK_DR, V_DIM, BLOCK_DV,
+            BLOCK_N, K_MAIN, K_ROPE, BLOCK_DR, V_DIM, BLOCK_DV, DOT_PRECISION,
         )
 
         # Phase 2: the new tokens themselves, contiguous in k_new/v_new; query i sees keys 0..i,
@@ -358,7 +360,7 @@ def _extend_kernel(
             acc, m, l = _attend_tile(
                 acc, m, l, query, query_rope, k_new + kv_head * stride_knh, v_new + kv_head * stride_vnh,
                 rows * stride_knt, rows * stride_vnt, present, present[None, :] & (n_idx[None, :] <= m_idx[:, None]),
-                scale_log2, K_MAIN, K_ROPE, BLOCK_DR, V_DIM, BLOCK_DV,
+                scale_log2, K_MAIN, K_ROPE, BLOCK_DR, V_DIM, BLOCK_DV, DOT_PRECISION,
             )
 
         dv = tl.arange(0, BLOCK_DV)
@@ -379,6 +381,7 @@ def _decode_split_kernel(
     scale_log2,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     K_MAIN: tl.constexpr, K_ROPE: tl.constexpr, BLOCK_DR: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens + b)
@@ -396,7 +399,7 @@ def _decode_split_kernel(
         acc, m, l = _attend_cached(
             acc, m, l, query, query_rope, token_slots, start, end, k_cache + kv_head * stride_kch,
             v_cache + kv_head * stride_vch, stride_kcs, stride_vcs, scale_log2,
-            BLOCK_N, K_MAIN, K_ROPE, BLOCK_DR, V_DIM, BLOCK_DV,
+            BLOCK_N, K_MAIN, K_ROPE, BLOCK_DR, V_DIM, BLOCK_DV, DOT_PRECISION,
         )
 
         dv = tl.arange(0, BLOCK_DV)

@@ -30,6 +30,13 @@ import torch
 import triton
 import triton.language as tl
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """`tl.dot`'s input_precision for inputs of this dtype. Triton's default rounds float32 inputs
+    to TF32 (a 10-bit mantissa) on tensor cores, while torch multiplies float32 in full: "ieee"
+    keeps float32 float32. 16-bit inputs keep the default: tensor cores multiply them exactly."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 # silu_and_mul's columns per program: 8 per thread of 4 warps, one 16-byte load each in bf16.
 SILU_BLOCK = 1024
 
