@@ -5,7 +5,8 @@
 #   rate-4:   as a Poisson process at 4 requests/s (latency: median TTFT and ITL).
 # Usage, from the repo root: OUT=/some/folder scripts/serve_bench.sh [rate-inf] [rate-4] (default: both).
 # Logs in $OUT: server.log, bench_rate-inf.log, bench_rate-4.log. SERVER_ARGS and NUM_PROMPTS
-# override the model and the count (a CPU smoke test: SERVER_ARGS="--model DIR" NUM_PROMPTS=8).
+# override the model and the count (a CPU smoke test: SERVER_ARGS="--model DIR" NUM_PROMPTS=8);
+# NUM_PROMPTS_AT_RATE the count at a finite rate (1,000 at 4/s take over four minutes to arrive).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/nano_out}; mkdir -p "$OUT"
@@ -26,7 +27,8 @@ python3 -c "import urllib.request; print(urllib.request.urlopen('$URL/health').r
 
 for run in $runs; do
   rate=${run#rate-}
-  python3 -m nano.bench_serving --base-url "$URL" --num-prompts "${NUM_PROMPTS:-1000}" --dataset random \
+  n=${NUM_PROMPTS:-1000}; [[ $rate != inf ]] && n=${NUM_PROMPTS_AT_RATE:-$n}
+  python3 -m nano.bench_serving --base-url "$URL" --num-prompts "$n" --dataset random \
     --random-input-len 1024 --random-range-ratio 0.125 --random-output-len 512 --random-output-range-ratio 0.25 \
     --request-rate "$rate" 2>&1 | tee "$OUT/bench_$run.log"
 done
