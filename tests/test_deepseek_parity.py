@@ -24,8 +24,9 @@ from tests.test_llama_parity import assert_matches_hf, frequency_bands, random_p
 # to 0, 2 and 3 are on the ramp, 5 to 7 are clamped to 1 (test_rope_bands checks).
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32,
             mscale=0.707, mscale_all_dim=0.707, beta_fast=1, beta_slow=0.125)
+# Keys of 8 + 16 = 24 channels: the Triton kernels split them into a 16-wide main part and a rest.
 TINY = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_hidden_layers=3,
-            num_attention_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=24,
+            num_attention_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=8,
             qk_rope_head_dim=16, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=3,
             n_shared_experts=2, first_k_dense_replace=1, vocab_size=320, max_position_embeddings=128,
             initializer_range=0.2, rope_parameters=YARN)
