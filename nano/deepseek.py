@@ -39,9 +39,7 @@ from torch import nn
 from nano.config import ModelConfig
 from nano.forward_batch import ForwardBatch, batch_bucket
 from nano.model import CausalLM, DecoderLayer, Linear, RMSNorm, SwiGLU
-from nano.moe_kernels import expert_matvec
 from nano.rope import RotaryEmbedding, yarn_mscale
-from nano.triton_ops import silu_and_mul
 
 # DeepSeek's reference code and HF transformers build the norms inside attention (q_a_layernorm,
 # kv_a_layernorm) with RMSNorm's default eps, not the config's rms_norm_eps (the same value in every
@@ -182,6 +180,9 @@ class MoE(nn.Module):
         return routed if self.shared_experts is None else routed + self.shared_experts(x)
 
     def matvec(self, x, weights, ids):
+        from nano.moe_kernels import expert_matvec  # Triton kernels: imported where they run, as in model.py
+        from nano.triton_ops import silu_and_mul
+
         num_tokens, top_k = ids.shape
         gate_up = expert_matvec(x, self.w13, ids)  # [T, k, 2I]
         h = silu_and_mul(gate_up.view(num_tokens * top_k, -1)).view(num_tokens, top_k, -1)  # [T, k, I]

@@ -17,8 +17,6 @@ import math
 
 import torch
 
-from nano.triton_ops import apply_rope_
-
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
@@ -77,6 +75,8 @@ class RotaryEmbedding(torch.nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rotate q [T, H, rot_dim] and k [T, Hkv, rot_dim] by their token's position [T]."""
         if q.is_cuda:  # one fused kernel, in place (triton_ops.py)
+            from nano.triton_ops import apply_rope_
+
             apply_rope_(q, k, self.cos_sin, positions)
             return q, k
         return self.rotate_reference(positions, q, k)
