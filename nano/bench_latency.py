@@ -1,36 +1,40 @@
 """Latency benchmark: one prefill, then decode steps, per batch size (SGLang's bench_one_batch format).
 
-    python -m nano.bench_latency --model llama-3-8b --load-format dummy --batch-size 1 8 32 \\
-        --input-len 128 --output-len 8
+    python -m nano.bench_latency --model llama-3-8b --batch-size 1 8 32 --input-len 128 --output-len 8
 
 For each batch size it runs `batch_size` requests of `input_len` random tokens through one
 prefill and `output_len - 1` decode steps (after a warm-up round that compiles kernels), and prints
-the prefill latency and the median decode-step latency, each with its throughput.
+the prefill latency and the median decode-step latency, each with its throughput. `--model` takes
+a model folder or the name of a shape shipped in nano/configs, which runs with random weights
+(no download); without it, the shape that suits the device: llama-3-8b on a GPU, smollm2-135m on CPU.
 
 Decode at small batch is memory-bound: each step must read every weight once (for a
 mixture-of-experts model, only the experts the batch routes to) and each request's KV cache.
 Dividing those bytes by the step time gives the achieved bandwidth; its fraction of the device's
 copy bandwidth, measured at start (or given with --peak-bandwidth), says how close the step is
 to the hardware's floor.
+
+torch is imported inside the functions, not at the top: see `cli` in generate.py.
 """
 
-import argparse
 import statistics
-import sys
 import time
 
-import torch
+from nano.generate import (SHAPES, ArgumentParser, UsageError, add_engine_args, cli, engine_from_args, parse_device,
+                           resolve_model_or_shape)
 
-from nano.deepseek import MoE
-from nano.generate import UsageError, add_engine_args, engine_from_args, resolve_model
-from nano.kv_cache import kv_bytes_per_token
-from nano.sampling import SamplingParams
-
+EXAMPLES = """examples:
+  python -m nano.bench_latency                          # smollm2-135m on CPU, llama-3-8b on GPU
+  python -m nano.bench_latency --model llama-3-8b --batch-size 1 8 32     # GPU: 16 GB of weights
+  python -m nano.bench_latency --model weights/Llama-3.1-8B-Instruct --output-len 32
+"""
 
 
 def measure_copy_bandwidth(device, nbytes: int = 1 << 30) -> float:
     """Bytes/s of a device-to-device copy, counting bytes read and written: the practical peak
     that every memory-bound kernel is measured against. Median of 20 copies of 1 GiB."""
+    import torch
+
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -47,6 +51,8 @@ def measure_copy_bandwidth(device, nbytes: int = 1 << 30) -> float:
 
 def describe_bandwidth(args, device) -> float:
     """The peak bandwidth (bytes/s) the floor is computed from; prints where it came from."""
+    import torch
+
     if args.peak_bandwidth:
         print(f"peak bandwidth {args.peak_bandwidth:.0f} GB/s (given)")
         return args.peak_bandwidth * 1e9
@@ -58,6 +64,8 @@ def describe_bandwidth(args, device) -> float:
 def weight_bytes_per_step(model, batch_size: int) -> float:
     """Bytes of weights one decode step reads: all but the embedding table (unless it doubles as
     lm_head); of a MoE layer's routed experts, the expected number a batch touches."""
+    from nano.deepseek import MoE
+
     cfg = model.cfg
     total = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
                 if name != "embed_tokens" or cfg.tie_word_embeddings)
@@ -70,52 +78,68 @@ def weight_bytes_per_step(model, batch_size: int) -> float:
     return total
 
 
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def run_once(engine, batch_size: int, input_len: int, output_len: int, seed: int):
+    import torch
+
+    from nano.sampling import SamplingParams
+
+    def sync():
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize()
+
     g = torch.Generator().manual_seed(seed)
     for _ in range(batch_size):
         prompt = torch.randint(10, engine.cfg.vocab_size, (input_len,), generator=g).tolist()
         engine.add_request(prompt, SamplingParams(max_new_tokens=output_len, ignore_eos=True))
     step_times = []
     while engine.has_work():
-        sync(engine.device)
+        sync()
         started = time.perf_counter()
         engine.step()
-        sync(engine.device)
+        sync()
         step_times.append(time.perf_counter() - started)
     return step_times[0], step_times[1:]
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m nano.bench_latency", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="llama-3-8b")
-    p.add_argument("--load-format", choices=["safetensors", "dummy"], default="safetensors")
-    p.add_argument("--batch-size", type=int, nargs="+", default=[1])
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=8)
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="python -m nano.bench_latency", epilog=EXAMPLES,
+                       description="Time one prefill and the decode steps after it, per batch size,\n"
+                       "and compare the bytes a decode step reads with the device's bandwidth.")
+    p.add_argument("--model", help=f"a model folder, or a shipped shape ({', '.join(SHAPES)}) with random "
+                   "weights; default: llama-3-8b on a GPU, smollm2-135m on CPU")
+    p.add_argument("--load-format", choices=["safetensors", "dummy"], default=None,
+                   help="default: dummy (random weights) for a shipped shape, safetensors for a folder")
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1], help="batch sizes to time, one run each")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=8,
+                   help="tokens per request: the first from prefill, one decode step for each of the others")
     p.add_argument("--peak-bandwidth", type=float, default=None,
                    help="GB/s to compute the floor from (default: measure a device copy at start)")
     add_engine_args(p)
-    args = p.parse_args(argv)
+    return p
+
+
+def run(args):
+    from nano.kv_cache import kv_bytes_per_token
+
     if min(args.batch_size) < 1 or args.input_len < 1 or args.output_len < 2:
-        p.error("--batch-size and --input-len must be >= 1, --output-len >= 2")
+        raise UsageError("--batch-size and --input-len must be >= 1, --output-len >= 2")
+    if args.model is None:
+        args.model = "llama-3-8b" if parse_device(args.device).type == "cuda" else "smollm2-135m"
+    model_dir = resolve_model_or_shape(args)
     max_bs = max(args.batch_size)
     args.max_running_requests = max(args.max_running_requests, max_bs)
-    args.cuda_graph_max_bs = max(args.cuda_graph_max_bs, max_bs)
+    if args.cuda_graph_max_bs is not None:
+        args.cuda_graph_max_bs = max(args.cuda_graph_max_bs, max_bs)
     if args.max_total_tokens is None:
         args.max_total_tokens = max_bs * (args.input_len + args.output_len) + 1
-    try:
-        engine = engine_from_args(args, resolve_model(args.model, args.load_format))
-    except (UsageError, ValueError) as e:
-        sys.exit(f"error: {e}")
+    engine = engine_from_args(args, model_dir)
+    if args.input_len >= engine.context_length:
+        raise UsageError(f"--input-len {args.input_len} leaves no room in the context of {engine.context_length} tokens")
     engine.max_prefill_tokens = max_bs * args.input_len
     engine.chunked_prefill_size = 0  # the whole batch in the one prefill step this reports
     graphs = "on" if engine.graph_runner is not None else "off"
-    print(f"{engine.cfg.architecture}, {engine.dtype}, {engine.device}, CUDA graphs {graphs}, "
+    print(f"{args.model}: {engine.cfg.architecture}, {engine.dtype}, {engine.device}, CUDA graphs {graphs}, "
           f"attention {type(engine.attn).__name__}")
     peak = describe_bandwidth(args, engine.device) if engine.device.type == "cuda" else None
 
@@ -135,6 +159,10 @@ def main(argv=None):
         if peak:
             line += f" = {achieved / peak:.0%} of the copy bandwidth (floor {(weights + kv) / peak * 1e3:.2f} ms)"
         print(line)
+
+
+def main(argv=None):
+    cli(build_parser, run, argv)
 
 
 if __name__ == "__main__":

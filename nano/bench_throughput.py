@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from nano.generate import UsageError, add_engine_args, engine_from_args, resolve_model
+from nano.generate import UsageError, add_engine_args, engine_from_args, resolve_model_or_shape
 from nano.sampling import SamplingParams
 
 
@@ -69,7 +69,8 @@ def run_hf_peer(model_dir, requests, dtype, device) -> tuple[int, float]:
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m nano.bench_throughput", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="llama-3-8b", help="model folder or shipped shape")
-    p.add_argument("--load-format", choices=["safetensors", "dummy"], default="dummy")
+    p.add_argument("--load-format", choices=["safetensors", "dummy"], default=None,
+                   help="dummy: random weights in the real shapes (default for a shipped shape)")
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--input-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
@@ -78,7 +79,7 @@ def main(argv=None):
     add_engine_args(p)
     args = p.parse_args(argv)
     try:
-        engine = engine_from_args(args, model_dir := resolve_model(args.model, args.load_format))
+        engine = engine_from_args(args, model_dir := resolve_model_or_shape(args))
     except (UsageError, ValueError) as e:
         sys.exit(f"error: {e}")
     requests = random_requests(args.num_prompts, args.input_len, args.output_len, engine.cfg.vocab_size, args.seed)

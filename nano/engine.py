@@ -42,7 +42,8 @@ import torch
 from nano.config import load_config
 from nano.forward_batch import ForwardBatch
 from nano.kv_cache import KVPool, ReqToTokenPool, SlotAllocator, kv_bytes_per_token, slots_for_memory
-from nano.loader import load_model
+from nano.loader import load_model, model_bytes
+from nano.memory import ensure_fits
 from nano.radix_cache import Node, RadixCache
 from nano.sampling import SamplingParams, sample
 from nano.torch_attn import TorchAttnBackend
@@ -87,6 +88,14 @@ class Engine:
         self.cfg = cfg = load_config(model_dir)
         self.use_mla = use_mla and cfg.is_deepseek
         self.context_length = min(context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        # Before allocating anything: the weights, the request table, and a KV cache of the size
+        # asked for or, failing that, room for one request of the full context.
+        per_token = kv_bytes_per_token(cfg, dtype, self.use_mla)
+        ensure_fits(self.device, dtype, {
+            f"{str(dtype).removeprefix('torch.')} weights": model_bytes(cfg, dtype, self.use_mla),
+            "KV cache": (max_total_tokens or self.context_length) * per_token,
+            "request table": max_requests * self.context_length * 4,
+        })
         started = time.perf_counter()
         self.model = load_model(cfg, Path(model_dir), self.device, dtype,
                                 load_format, self.use_mla, seed)
@@ -100,7 +109,6 @@ class Engine:
         self.slots = SlotAllocator(num_slots, self.device)
         self.prefix_cache = RadixCache(self.slots) if radix_cache else None
         self.reserved_slots = 0  # slots admitted requests may still need beyond their cached prefix
-        per_token = kv_bytes_per_token(cfg, dtype, self.use_mla)
         self._print(f"KV cache: {num_slots - 1} tokens ({per_token:,} bytes per token, "
                     f"{(num_slots * per_token) / 2**30:.2f} GiB), up to {max_requests} requests")
 

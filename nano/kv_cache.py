@@ -12,12 +12,19 @@ big pool of token *slots* per layer and hand out slots one token at a time ("pag
   Slot 0 is reserved: padded rows of a CUDA-graph batch write their junk K/V there.
 
 The pool is sized from the memory left after the weights are loaded (`mem_fraction`), or from an
-explicit token count; the engine prints the resulting capacity.
+explicit token count; the engine prints the resulting capacity. On CPU the fraction is taken of the
+host's available memory and capped at `CPU_KV_CACHE_MAX_BYTES`: the host is shared with everything
+else the user runs, the pool is zeroed up front (about a second per GiB), and at CPU decode speeds
+a larger pool would never fill. 1 GiB holds a full 8k context of Llama-3-8B in bfloat16, or 23k
+tokens of SmolLM2-135M in float32; `--max-total-tokens` asks for more.
 """
 
 import torch
 
 from nano.config import ModelConfig
+from nano.memory import free_bytes
+
+CPU_KV_CACHE_MAX_BYTES = 1 << 30
 
 
 class KVPool:
@@ -58,12 +65,14 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, use_mla: bool) -> i
 
 
 def slots_for_memory(cfg, dtype, device, use_mla: bool, mem_fraction: float) -> int:
-    """How many token slots fit in `mem_fraction` of the device memory that is free now."""
-    if torch.device(device).type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-    else:  # on CPU there is no free-memory figure worth trusting; take a modest fixed budget
-        free = 1 << 30
-    return max(int(free * mem_fraction) // kv_bytes_per_token(cfg, dtype, use_mla), 2)
+    """How many token slots fit in `mem_fraction` of the device memory that is free now (on CPU,
+    in at most CPU_KV_CACHE_MAX_BYTES)."""
+    device = torch.device(device)
+    free = free_bytes(device)
+    budget = CPU_KV_CACHE_MAX_BYTES if free is None else int(free * mem_fraction)
+    if device.type == "cpu":
+        budget = min(budget, CPU_KV_CACHE_MAX_BYTES)
+    return max(budget // kv_bytes_per_token(cfg, dtype, use_mla), 2)
 
 
 class ReqToTokenPool:

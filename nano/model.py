@@ -16,7 +16,8 @@ Three things make the code below differ from a training implementation:
 - only the last token of each request gets logits: that is all sampling needs.
 
 Loading weights into these modules is loader.py's job; each model only says where a checkpoint
-tensor goes (`checkpoint_layout`).
+tensor goes (`checkpoint_layout`). The Triton kernels are imported inside the `x.is_cuda` branches
+that run them (here, in rope.py and deepseek.py), so a CPU run never imports triton.
 """
 
 import torch
@@ -26,7 +27,6 @@ from torch import nn
 from nano.config import ModelConfig
 from nano.forward_batch import ForwardBatch
 from nano.rope import RotaryEmbedding
-from nano.triton_ops import fused_add_rms_norm, rms_norm, silu_and_mul
 
 
 class Linear(nn.Module):
@@ -50,6 +50,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         if x.is_cuda:
+            from nano.triton_ops import rms_norm
+
             return rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
@@ -57,6 +59,8 @@ class RMSNorm(nn.Module):
         """The residual stream's step: residual += x, then normalise it -> (normed, residual).
         residual None (the first layer): the stream starts at x."""
         if x.is_cuda:  # one kernel for both (triton_ops.py)
+            from nano.triton_ops import fused_add_rms_norm
+
             return fused_add_rms_norm(x, residual, self.weight, self.eps)
         residual = x if residual is None else x + residual
         return self.forward(residual), residual
@@ -73,6 +77,8 @@ class SwiGLU(nn.Module):
     def forward(self, x):
         gate_up = self.gate_up_proj(x)  # [T, 2I]
         if x.is_cuda:
+            from nano.triton_ops import silu_and_mul
+
             return self.down_proj(silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -17,8 +17,6 @@ import math
 
 import torch
 
-from nano.triton_ops import apply_rope_
-
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
@@ -68,15 +66,21 @@ def rope_frequencies(rot_dim: int, theta: float, scaling: dict | None) -> tuple[
 class RotaryEmbedding(torch.nn.Module):
     def __init__(self, rot_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
-        inv_freq, magnitude = rope_frequencies(rot_dim, theta, scaling)
-        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        # [max_positions, rot_dim]: cos of each pair's angle in the first half, sin in the second.
-        cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1) * magnitude
-        self.register_buffer("cos_sin", cos_sin, persistent=False)
+        # Computed on the CPU and moved to the device the model is built on, so that a model built
+        # on "meta" to count its bytes (loader.py) never runs these ops there: torch's meta versions
+        # of some of them import its compiler, seconds of start-up.
+        with torch.device("cpu"):
+            inv_freq, magnitude = rope_frequencies(rot_dim, theta, scaling)
+            angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+            # [max_positions, rot_dim]: cos of each pair's angle in the first half, sin in the second.
+            cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1) * magnitude
+        self.register_buffer("cos_sin", cos_sin.to(torch.get_default_device()), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rotate q [T, H, rot_dim] and k [T, Hkv, rot_dim] by their token's position [T]."""
         if q.is_cuda:  # one fused kernel, in place (triton_ops.py)
+            from nano.triton_ops import apply_rope_
+
             apply_rope_(q, k, self.cos_sin, positions)
             return q, k
         return self.rotate_reference(positions, q, k)

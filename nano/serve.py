@@ -46,7 +46,7 @@ from starlette.exceptions import HTTPException
 
 from nano.config import load_config
 from nano.engine import Request
-from nano.generate import ArgumentParser, UsageError, add_engine_args, engine_from_args, one_line_errors, resolve_model
+from nano.generate import ArgumentParser, UsageError, add_engine_args, engine_from_args, one_line_errors, resolve_model_or_shape
 from nano.sampling import SamplingParams
 from nano.tokenizer import StreamDecoder, Tokenizer
 
@@ -433,7 +433,8 @@ async def _pieces(stream: Stream, event, detokenizer: Detokenizer, engine_thread
 def main(argv=None):
     p = ArgumentParser(prog="python -m nano.serve", description=__doc__.split("\n")[0])
     p.add_argument("--model", help="HF model folder, or a shipped shape name with --load-format dummy")
-    p.add_argument("--load-format", choices=["safetensors", "dummy"], default="safetensors")
+    p.add_argument("--load-format", choices=["safetensors", "dummy"], default=None,
+                   help="dummy: random weights in the real shapes (default for a shipped shape)")
     p.add_argument("--tokenizer", help="folder whose tokenizer to use (default: the model's, if it has one)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
@@ -441,7 +442,7 @@ def main(argv=None):
     add_engine_args(p)
     try:
         args = p.parse_args(argv)
-        model_dir = resolve_model(args.model, args.load_format)
+        model_dir = resolve_model_or_shape(args)
         vocab_size = load_config(model_dir).vocab_size
         tokenizer_dir = args.tokenizer or model_dir
         tokenizer = Tokenizer(tokenizer_dir) if args.tokenizer or (model_dir / "tokenizer.json").is_file() else None

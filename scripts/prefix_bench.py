@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, ".")
-from nano.generate import add_engine_args, engine_from_args, resolve_model  # noqa: E402
+from nano.generate import add_engine_args, engine_from_args, resolve_model_or_shape  # noqa: E402
 from nano.sampling import SamplingParams  # noqa: E402
 
 
@@ -112,7 +112,8 @@ def with_context(model_dir: Path, needed: int, scratch: Path) -> Path:
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python scripts/prefix_bench.py", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="llama-3-8b")
-    p.add_argument("--load-format", choices=["safetensors", "dummy"], default="dummy")
+    p.add_argument("--load-format", choices=["safetensors", "dummy"], default=None,
+                   help="dummy: random weights in the real shapes (default for a shipped shape)")
     p.add_argument("--prefix-len", type=int, default=2000)
     p.add_argument("--suffix-len", type=int, default=100)
     p.add_argument("--num-requests", type=int, default=128)
@@ -123,7 +124,7 @@ def main(argv=None):
     p.add_argument("--only", choices=["a", "b"], default=None)
     add_engine_args(p)
     args = p.parse_args(argv)
-    model_dir = resolve_model(args.model, args.load_format)
+    model_dir = resolve_model_or_shape(args)
 
     if args.only in (None, "a"):
         pool = 2 * (args.prefix_len + args.num_requests * (args.suffix_len + 1))  # two rounds' worth

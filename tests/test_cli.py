@@ -1,10 +1,13 @@
 """The command line end to end: the real default model answers, and bad input ends with one line
-on stderr and exit status 2 (never a traceback)."""
+on stderr and exit status 2 (never a traceback), Ctrl-C with exit status 130."""
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -13,9 +16,13 @@ from safetensors.torch import load_file, save_file
 from tests.test_llama_parity import save_tiny_llama
 
 
-def run_cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "nano.generate", *args], capture_output=True, text=True,
-                          timeout=timeout)
+def run_cli(*args, timeout=300, module="nano.generate", **kwargs):
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                          timeout=timeout, **kwargs)
+
+
+def run_bench(*args):
+    return run_cli(*args, module="nano.bench_latency")
 
 
 def assert_one_line_error(result, *fragments):
@@ -123,3 +130,99 @@ def test_empty_prompt(tiny_model):
 
 def test_prompt_longer_than_context(tiny_model):
     assert_one_line_error(run_cli("--model", str(tiny_model), "--prompt", "word " * 300), "prompt 1", "256")
+
+
+def test_prompt_file_dash_reads_stdin(smollm2_dir):
+    result = run_cli("--model", str(smollm2_dir), "--prompt-file", "-", "--max-new-tokens", "8",
+                     "--max-total-tokens", "512", input="What is the capital of France?\n")
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+    # prefill samples the first token, decode the other seven, and the stats line says so
+    assert "-> 1 first token(s)" in result.stderr and "decode: 7 more tokens" in result.stderr
+
+
+def test_model_without_chat_template_is_noted(tiny_model):
+    config = json.loads((tiny_model / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (tiny_model / "tokenizer_config.json").write_text(json.dumps(config))
+    result = run_cli("--model", str(tiny_model), "--prompt", "hi", "--max-new-tokens", "2")
+    assert result.returncode == 0, result.stderr
+    assert "has no chat template; the prompts go to the model as raw text" in result.stderr
+
+
+def test_cpu_run_never_imports_triton(smollm2_dir):
+    argv = ["--model", str(smollm2_dir), "--prompt", "hi", "--max-new-tokens", "2", "--max-total-tokens", "256"]
+    code = f"import sys; from nano.generate import main; main({argv!r}); assert 'triton' not in sys.modules"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr
+
+
+def test_shipped_shape_in_generate_points_to_the_benchmark():
+    assert_one_line_error(run_cli("--model", "llama-3-8b", "--prompt", "hi"),
+                          "python -m nano.bench_latency --model llama-3-8b")
+
+
+def test_bench_latency_without_flags_times_a_shape_that_fits():
+    result = run_bench("--device", "cpu", "--input-len", "8", "--output-len", "2")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("smollm2-135m: LlamaForCausalLM, torch.float32, cpu")
+    assert "Decode.  median latency" in result.stdout
+
+
+@pytest.mark.parametrize("module", ["nano.generate", "nano.bench_latency"])
+def test_help_shows_defaults_and_examples(module):
+    result = run_cli("--help", module=module)
+    assert result.returncode == 0, result.stderr
+    assert "(default: 0.85)" in result.stdout and "examples:" in result.stdout
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--device", "foo"], "nano runs on cpu or cuda"),
+    (["--device", "mps"], "nano runs on cpu or cuda"),
+    pytest.param(["--device", "cuda"], "no CUDA device",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="there is a GPU")),
+    (["--device", "cpu", "--attention-backend", "triton"], "TRITON_INTERPRET=1"),
+    (["--device", "cpu", "--cuda-graph-max-bs", "8"], "CUDA graphs run only on a GPU"),
+    (["--output-len", "1"], "--output-len >= 2"),
+    (["--batch-size"], "--batch-size"),
+])
+def test_bad_engine_flags(flags, fragment):
+    """Flag errors come before any model is loaded; bench_latency reports them as generate does."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    assert_one_line_error(run_cli(*flags, module="nano.bench_latency", env=env), fragment)
+
+
+def test_model_larger_than_memory_fails_at_once():
+    """Llama-3-8B in float32 needs 30 GiB: the engine says so before allocating any of it."""
+    from nano.memory import free_bytes
+
+    if free_bytes(torch.device("cpu")) > 31 * 2**30:
+        pytest.skip("this host could hold Llama-3-8B in float32")
+    started = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "nano.bench_latency", "--model", "llama-3-8b", "--load-format",
+                             "dummy", "--device", "cpu", "--dtype", "float32"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stdout, stderr = proc.stdout.read(), proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)  # wait4: the child's own peak memory and CPU time
+    wall_s, cpu_s, peak_rss = time.perf_counter() - started, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024
+    result = subprocess.CompletedProcess(proc.args, os.waitstatus_to_exitcode(status), stdout, stderr)
+    assert_one_line_error(result, "29.9 GiB float32 weights", "try --dtype bfloat16, a GPU or a smaller model")
+    assert peak_rss < 2**30, f"peak RSS {peak_rss / 2**30:.1f} GiB"
+    assert cpu_s < 5, f"{cpu_s:.1f} s of CPU time ({wall_s:.1f} s on the clock)"
+
+
+@pytest.mark.parametrize("when", ["importing", "generating"])
+def test_ctrl_c_exits_130_without_traceback(smollm2_dir, when):
+    proc = subprocess.Popen([sys.executable, "-m", "nano.generate", "--model", str(smollm2_dir), "--prompt", "Count to 100.",
+                             "--max-new-tokens", "500", "--ignore-eos", "--max-total-tokens", "1024"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if when == "importing":
+        time.sleep(0.5)  # inside `import torch`, which takes longer than this
+    else:
+        while "prompt tokens" not in proc.stderr.readline():  # the engine is up and decoding
+            assert proc.poll() is None, proc.stderr.read()
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr, stderr

@@ -91,3 +91,16 @@ def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         default_model.ensure_default_model()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_fetched_files_are_world_readable(tmp_path, monkeypatch):
+    def convert_like_safetensors(gguf_path, out_dir):
+        for name in default_model.MODEL_FILES:
+            (out_dir / name).write_text("{}")
+        (out_dir / "model.safetensors").chmod(0o600)  # safetensors writes through a private temporary file
+
+    monkeypatch.setattr(default_model, "DEFAULT_MODEL_DIR", tmp_path / "model")
+    monkeypatch.setattr(default_model, "download_gguf", lambda download_dir: download_dir / "model.gguf")
+    monkeypatch.setattr(default_model, "_convert_gguf", convert_like_safetensors)
+    folder = default_model.ensure_default_model()
+    assert {oct(f.stat().st_mode & 0o777) for f in folder.iterdir()} == {"0o644"}

@@ -2,7 +2,9 @@
 
 import torch
 
-from nano.kv_cache import SlotAllocator
+from nano.config import load_config
+from nano.kv_cache import CPU_KV_CACHE_MAX_BYTES, SlotAllocator, kv_bytes_per_token, slots_for_memory
+from nano.memory import free_bytes
 from tests.test_llama_parity import TINY, random_prompts, save_tiny_llama
 
 from nano.engine import Engine
@@ -20,6 +22,15 @@ def test_allocator_never_hands_out_slot_zero_or_twice_and_reuses_freed():
     again = alloc.alloc(20)
     assert sorted(again.tolist()) == sorted(held[1].tolist())
     assert alloc.alloc(1) is None
+
+
+def test_cpu_pool_is_a_fraction_of_available_memory_capped():
+    cfg = load_config("nano/configs/smollm2-135m")
+    per_token = kv_bytes_per_token(cfg, torch.float32, use_mla=False)
+    cpu = torch.device("cpu")
+    assert slots_for_memory(cfg, torch.float32, cpu, False, 0.85) == CPU_KV_CACHE_MAX_BYTES // per_token
+    fraction = 2**29 / free_bytes(cpu)  # half a GiB of what the host has available (it moves a little)
+    assert 0.9 * 2**29 < slots_for_memory(cfg, torch.float32, cpu, False, fraction) * per_token < 1.1 * 2**29
 
 
 def test_batch_equals_single_runs_and_more_prompts_than_pool(tmp_path):
