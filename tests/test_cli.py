@@ -193,21 +193,28 @@ def test_bad_engine_flags(flags, fragment):
     assert_one_line_error(run_cli(*flags, module="nano.bench_latency", env=env), fragment)
 
 
-def test_model_larger_than_memory_fails_at_once():
+def test_model_larger_than_memory_fails_at_once(tmp_path):
     """Llama-3-8B in float32 needs 30 GiB: the engine says so before allocating any of it."""
     from nano.memory import free_bytes
 
     if free_bytes(torch.device("cpu")) > 31 * 2**30:
         pytest.skip("this host could hold Llama-3-8B in float32")
+    # The child's peak memory is read from its own /proc/self/status at exit (VmHWM: this process
+    # image alone; rusage's maxrss would also count the pytest process it was forked from).
+    peak_file = tmp_path / "peak"
+    code = ("import atexit, runpy, sys; "
+            f"atexit.register(lambda: open({str(peak_file)!r}, 'w').write("
+            "next(l for l in open('/proc/self/status') if l.startswith('VmHWM')))); "
+            "sys.argv = ['bench_latency', '--model', 'llama-3-8b', '--load-format', 'dummy', '--device', 'cpu', "
+            "'--dtype', 'float32']; runpy.run_module('nano.bench_latency', run_name='__main__')")
     started = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "nano.bench_latency", "--model", "llama-3-8b", "--load-format",
-                             "dummy", "--device", "cpu", "--dtype", "float32"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     stdout, stderr = proc.stdout.read(), proc.stderr.read()
-    _, status, usage = os.wait4(proc.pid, 0)  # wait4: the child's own peak memory and CPU time
-    wall_s, cpu_s, peak_rss = time.perf_counter() - started, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024
+    _, status, usage = os.wait4(proc.pid, 0)  # wait4: the child's own CPU time
+    wall_s, cpu_s = time.perf_counter() - started, usage.ru_utime + usage.ru_stime
     result = subprocess.CompletedProcess(proc.args, os.waitstatus_to_exitcode(status), stdout, stderr)
     assert_one_line_error(result, "29.9 GiB float32 weights", "try --dtype bfloat16, a GPU or a smaller model")
+    peak_rss = int(peak_file.read_text().split()[1]) * 1024  # "VmHWM:  249316 kB"
     assert peak_rss < 2**30, f"peak RSS {peak_rss / 2**30:.1f} GiB"
     assert cpu_s < 5, f"{cpu_s:.1f} s of CPU time ({wall_s:.1f} s on the clock)"
 
