@@ -12,6 +12,10 @@ Life of a request:
 4. A request that hits EOS, a stop id or its token budget leaves the batch at once and gives its
    slots and row back; the next step may admit a waiting request into the room it left.
 
+With `tp_size` N > 1 this engine is rank 0 of N processes, one per GPU (tp.py): it launches the
+others, which build the same engine around their part of the model and run each forward pass it
+sends them. Everything above happens on rank 0 only.
+
 `step()` returns the (request, token) pairs it produced, so a caller can stream them.
 """
 
@@ -29,6 +33,7 @@ from nano.kv_cache import KVPool, ReqToTokenPool, SlotAllocator, kv_bytes_per_to
 from nano.loader import load_model
 from nano.sampling import SamplingParams, sample
 from nano.torch_attn import TorchAttnBackend
+from nano.tp import TensorParallel, launch, parallelize
 
 
 @dataclass
@@ -57,24 +62,37 @@ class Engine:
     def __init__(self, model_dir, device="cpu", dtype=torch.float32, attention_backend="torch",
                  load_format="safetensors", mem_fraction=0.85, max_total_tokens=None, max_requests=256,
                  context_length=None, use_mla=True, cuda_graph=False, cuda_graph_max_bs=160,
-                 max_prefill_tokens=16384, seed=0, log=True):
+                 max_prefill_tokens=16384, tp_size=1, seed=0, log=True, tp_group: TensorParallel | None = None):
+        # the other tensor-parallel ranks build their engines from these same arguments
+        args = {name: value for name, value in locals().items() if name not in ("self", "tp_group")}
         self.device, self.dtype, self.log = torch.device(device), dtype, log
         self.cfg = cfg = load_config(model_dir)
+        # rank 0 launches the other ranks; each of them comes here with its own group
+        self.tp = tp_group or (launch(cfg, args) if tp_size > 1 else None)
+        tp_rank = 0 if self.tp is None else self.tp.rank
+        if self.tp is not None:
+            self.device = self.tp.device
         self.use_mla = use_mla and cfg.is_deepseek
         self.context_length = min(context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
         started = time.perf_counter()
         self.model = load_model(cfg, Path(model_dir), self.device, dtype,
-                                load_format, self.use_mla, seed)
+                                load_format, self.use_mla, seed, tp_rank, tp_size)
+        if self.tp is not None:
+            parallelize(self.model, self.tp)
         self._print(f"loaded {cfg.architecture} ({_count_params(self.model) / 1e9:.2f} B parameters, "
-                    f"{dtype}) on {self.device} in {time.perf_counter() - started:.1f} s")
+                    f"{dtype}) on {self.device} in {time.perf_counter() - started:.1f} s"
+                    + (f"; each of {tp_size} GPUs holds its part" if tp_size > 1 else ""))
 
+        shard_cfg = self.model.cfg  # this rank's heads and KV heads (all of them without tensor parallelism)
         num_slots = max_total_tokens + 1 if max_total_tokens else slots_for_memory(
-            cfg, dtype, self.device, self.use_mla, mem_fraction)
-        self.kv_pool = KVPool(cfg, num_slots, dtype, self.device, self.use_mla)
+            shard_cfg, dtype, self.device, self.use_mla, mem_fraction)
+        if self.tp is not None:  # every rank's pool must have every slot rank 0 hands out
+            num_slots = self.tp.min_over_ranks(num_slots)
+        self.kv_pool = KVPool(shard_cfg, num_slots, dtype, self.device, self.use_mla)
         self.req_to_token_pool = ReqToTokenPool(max_requests, self.context_length, self.device)
         self.slots = SlotAllocator(num_slots, self.device)
         self.unreserved_slots = num_slots - 1  # slot 0 is reserved
-        per_token = kv_bytes_per_token(cfg, dtype, self.use_mla)
+        per_token = kv_bytes_per_token(shard_cfg, dtype, self.use_mla)
         self._print(f"KV cache: {num_slots - 1} tokens ({per_token:,} bytes per token, "
                     f"{(num_slots * per_token) / 2**30:.2f} GiB), up to {max_requests} requests")
 
@@ -82,7 +100,7 @@ class Engine:
         if attention_backend == "triton":
             from nano.triton_attn import TritonAttnBackend
 
-            self.attn = TritonAttnBackend(self.kv_pool, req_to_token, max_requests, cfg.num_heads)
+            self.attn = TritonAttnBackend(self.kv_pool, req_to_token, max_requests, shard_cfg.num_heads)
         else:
             self.attn = TorchAttnBackend(self.kv_pool, req_to_token)
         self.graph_runner = None
@@ -181,6 +199,8 @@ class Engine:
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         """One forward pass -> logits [B, vocab]: a graph replay when one fits the batch, else the
         backend's per-pass metadata and the model, eagerly (the same two steps a graph recorded)."""
+        if self.tp is not None and self.tp.rank == 0:  # the other ranks run the same pass
+            self.tp.send_batch(batch, self.req_to_token_pool.req_to_token)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
         self.attn.init_forward_metadata(batch)
@@ -209,6 +229,12 @@ class Engine:
         while self.has_work():
             self.step()
         return [r.output_ids for r in reqs]
+
+    def close(self):
+        """Stop the tensor-parallel workers (a single-GPU engine has nothing to stop)."""
+        if self.tp is not None:
+            self.graph_runner = None  # release the graphs before the communicator they run
+            self.tp.close()
 
 
 def _count_params(model) -> int:

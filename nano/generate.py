@@ -68,6 +68,7 @@ def add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--disable-mla", action="store_true", help="DeepSeek: plain multi-head attention, expanded K/V")
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--cuda-graph-max-bs", type=int, default=160)
+    p.add_argument("--tp-size", type=int, default=1, help="tensor parallelism: split the model over this many GPUs")
 
 
 def resolve_model(name: str | None, load_format: str) -> Path:
@@ -97,7 +98,8 @@ def engine_from_args(args, model_dir: Path):
     dtype = getattr(torch, args.dtype or ("bfloat16" if on_gpu else "float32"))
     for flag, value, low in [("--mem-fraction", args.mem_fraction, 0), ("--max-total-tokens", args.max_total_tokens, 0),
                              ("--max-running-requests", args.max_running_requests, 0),
-                             ("--context-length", args.context_length, 1), ("--cuda-graph-max-bs", args.cuda_graph_max_bs, 0)]:
+                             ("--context-length", args.context_length, 1), ("--cuda-graph-max-bs", args.cuda_graph_max_bs, 0),
+                             ("--tp-size", args.tp_size, 0)]:
         if value is not None and value <= low:
             raise UsageError(f"{flag} must be > {low}, got {value}")
     if args.mem_fraction >= 1:
@@ -108,7 +110,7 @@ def engine_from_args(args, model_dir: Path):
         load_format=args.load_format, mem_fraction=args.mem_fraction, max_total_tokens=args.max_total_tokens,
         max_requests=args.max_running_requests, context_length=args.context_length,
         use_mla=not args.disable_mla, cuda_graph=on_gpu and backend == "triton" and not args.disable_cuda_graph,
-        cuda_graph_max_bs=args.cuda_graph_max_bs,
+        cuda_graph_max_bs=args.cuda_graph_max_bs, tp_size=args.tp_size,
     )
 
 
