@@ -86,7 +86,7 @@ def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
     for what, n in [("attention heads", cfg.num_heads), ("MLP width", cfg.intermediate_size),
                     ("expert width", cfg.moe_intermediate_size), ("vocabulary", cfg.vocab_size)]:
         if n % size:
-            raise ConfigError(f"cannot split the model over {size} GPUs: its {what} ({n}) does not divide evenly")
+            raise ConfigError(f"cannot split the model over {size} GPUs: its {what} ({n}) is not a multiple of {size}")
     if cfg.num_kv_heads % size and size % cfg.num_kv_heads:
         raise ConfigError(f"cannot split the model over {size} GPUs: its {cfg.num_kv_heads} KV heads "
                           "and the GPU count must divide one another")
