@@ -69,9 +69,9 @@ class Engine:
         self.cfg = cfg = load_config(model_dir)
         # rank 0 launches the other ranks; each of them comes here with its own group
         self.tp = tp_group or (launch(cfg, args) if tp_size > 1 else None)
-        tp_rank = 0 if self.tp is None else self.tp.rank
+        tp_rank = 0
         if self.tp is not None:
-            self.device = self.tp.device
+            self.device, tp_rank = self.tp.device, self.tp.rank
         self.use_mla = use_mla and cfg.is_deepseek
         self.context_length = min(context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
         started = time.perf_counter()

@@ -98,9 +98,9 @@ def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
 def checkpoint_shard(name: str, cfg: ModelConfig, rank: int, size: int) -> tuple[int, int, int] | None:
     """The block of checkpoint tensor `name` that `rank` holds: (dim, number of blocks, which
     block), or None when every rank holds all of it."""
-    role = name.split(".")[-2]  # "model.layers.0.self_attn.q_proj.weight" -> "q_proj"
     if size == 1:
         return None
+    role = name.split(".")[-2]  # "model.layers.0.self_attn.q_proj.weight" -> "q_proj"
     if role in SPLIT_ROWS:
         return 0, size, rank
     if role in SPLIT_COLUMNS:
