@@ -193,6 +193,7 @@ class TensorParallel:
             with contextlib.suppress(OSError):  # a worker that died has closed its end
                 pipe.send(None)
         dist.destroy_process_group()  # on all ranks at once: teardown may wait for the peers
+        self.group = None  # the last reference: the group's threads end now, not in the interpreter's exit
         for worker in self.workers:
             worker.join(timeout=30)
             if worker.is_alive():
