@@ -17,6 +17,8 @@ So each block half (attention, MLP) is column-parallel in, row-parallel out, wit
 at its end: two per layer (`parallelize` hooks them onto each layer's `self_attn` and `mlp`). Rope,
 attention and SiLU run on local heads and columns. The residual stream, the norms and everything
 between the halves are replicated: after each all-reduce every rank holds the same hidden states.
+A rank builds the model's modules in its smaller shapes (`shard_config`: fewer heads, narrower
+MLP) and reads only its block of each checkpoint tensor (`checkpoint_shard`, loader.py).
 
 - KV heads: with fewer KV heads than ranks (one KV head on 2 GPUs), each rank keeps the KV head
   its query heads read, so a KV head is held by several ranks.
@@ -29,7 +31,8 @@ between the halves are replicated: after each all-reduce every rank holds the sa
   o_proj's columns. The latent c and the rope key k_pe are shared by all heads, and every score is
   a dot product over all 576 of their channels; splitting them would need an all-reduce inside
   attention. So, as SGLang does, kv_a_proj (576 x hidden, small) and the latent cache (576 values
-  per token) are replicated: every rank computes and stores the same latent and reads it all.
+  per token) are replicated: every rank computes and stores the same latent and reads it all. The
+  price: splitting over more GPUs does not let more tokens fit in the cache.
 - MoE: each expert's width is split (its gate/up rows, its down columns), not the experts
   themselves. Every rank routes every token (the router is replicated and sees the same hidden
   states, so all ranks choose alike) and runs the chosen experts on its slice; the routed sum is a
@@ -41,13 +44,13 @@ between the halves are replicated: after each all-reduce every rank holds the sa
   are. Expert parallelism pays with many GPUs and large batches, where experts sliced N ways get
   too thin to run well.
 
-Processes. Rank 0 is the engine the user holds: it owns the scheduler, the tokenizer and
-sampling. It starts ranks 1..N-1 itself (`launch`: torch.multiprocessing, spawn); each builds the
+Processes. Rank 0 is the process the user runs: the scheduler, the tokenizer and sampling live
+there. It starts ranks 1..N-1 itself (`launch`: torch.multiprocessing, spawn); each builds the
 same Engine on its own GPU (its weight shards, its part of the KV cache, its CUDA graphs) and then
 follows (`_serve`): for every forward pass rank 0 sends the batch, every rank runs the same pass,
 and they meet at the same all-reduces. The batch travels in two parts: its host fields through a
 pipe (which also lets an idle worker wait for as long as rank 0 has no work), its tensors packed
-as bytes into one broadcast, GPU to GPU, that rank 0 never waits on. CUDA graphs capture the NCCL
+as bytes into one broadcast, GPU to GPU, that rank 0's host never waits for. CUDA graphs capture the NCCL
 all-reduce like any other kernel; every rank captures the same batch sizes in the same order, and
 since all get the same batch from rank 0, all pad it to the same graph.
 """

@@ -9,15 +9,16 @@ capture the all-reduce, must equal eager decoding."""
 
 import gc
 from dataclasses import replace
+from functools import partial
 
 import pytest
 import torch
 
 from nano.config import ConfigError, load_config
 from nano.generate import SHIPPED_CONFIGS
-from nano.loader import load_model
+from nano.loader import _fill_random, build_model, load_model
 from nano.sampling import SamplingParams
-from nano.tp import shard_config
+from nano.tp import checkpoint_shard, shard_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -66,6 +67,19 @@ def test_each_rank_loads_its_block(tmp_path, load_format):
         width = slice(12 * rank, 12 * (rank + 1))
         assert torch.equal(part[f"{mlp}.w13"], torch.cat([gate[:, width], up[:, width]], dim=1))
         assert torch.equal(part[f"{mlp}.w2"], full[f"{mlp}.w2"][:, :, width])
+
+
+@pytest.mark.parametrize("save", [save_tiny_llama, save_tiny_deepseek], ids=["llama", "deepseek"])
+def test_dummy_weights_fill_every_parameter(tmp_path, save):
+    """Dummy weights are drawn per checkpoint tensor: a parameter no checkpoint tensor fills would
+    keep whatever memory it got."""
+    save(tmp_path, "gqa" if save is save_tiny_llama else "lite")
+    cfg = load_config(tmp_path)
+    model = build_model(shard_config(cfg, 2), use_mla=True)
+    for param in model.parameters():
+        param.data.fill_(float("nan"))
+    _fill_random(model, partial(checkpoint_shard, cfg=cfg, rank=1, size=2), seed=0)
+    assert [name for name, param in model.named_parameters() if param.isnan().any()] == []
 
 
 def test_uneven_splits_are_refused():
