@@ -12,7 +12,8 @@ Decode at small batch is memory-bound: each step must read every weight once (fo
 mixture-of-experts model, only the experts the batch routes to) and each request's KV cache.
 Dividing those bytes by the step time gives the achieved bandwidth; its fraction of the device's
 copy bandwidth, measured at start (or given with --peak-bandwidth), says how close the step is
-to the hardware's floor.
+to the hardware's floor. With --tp-size N the bytes are one GPU's share (tp.py): the N GPUs read
+their shares at the same time, so the floor is that share over one GPU's bandwidth.
 
 torch is imported inside the functions, not at the top: see `cli` in generate.py.
 """
@@ -139,7 +140,8 @@ def run(args):
     engine.max_prefill_tokens = max_bs * args.input_len
     engine.chunked_prefill_size = 0  # the whole batch in the one prefill step this reports
     graphs = "on" if engine.graph_runner is not None else "off"
-    print(f"{args.model}: {engine.cfg.architecture}, {engine.dtype}, {engine.device}, CUDA graphs {graphs}, "
+    ranks = f" (rank 0 of {engine.tp.size})" if engine.tp else ""
+    print(f"{args.model}: {engine.cfg.architecture}, {engine.dtype}, {engine.device}{ranks}, CUDA graphs {graphs}, "
           f"attention {type(engine.attn).__name__}")
     peak = describe_bandwidth(args, engine.device) if engine.device.type == "cuda" else None
 
@@ -152,9 +154,11 @@ def run(args):
         print(f"Decode.  median latency: {median:.5f} s, median throughput: {bs / median:9.2f} token/s")
         weights = weight_bytes_per_step(engine.model, bs)
         # the KV read by a middle decode step: every request holds about input_len + output_len / 2 tokens
-        kv = bs * (args.input_len + args.output_len // 2) * kv_bytes_per_token(engine.cfg, engine.dtype, engine.use_mla)
+        kv = bs * (args.input_len + args.output_len // 2) * kv_bytes_per_token(engine.model.cfg, engine.dtype,
+                                                                               engine.use_mla)
         achieved = (weights + kv) / median
-        line = (f"Bytes read per decode step: {weights / 1e9:.2f} GB weights + {kv / 1e9:.3f} GB KV; "
+        per_rank = f" by each of {engine.tp.size} ranks" if engine.tp else ""
+        line = (f"Bytes read per decode step{per_rank}: {weights / 1e9:.2f} GB weights + {kv / 1e9:.3f} GB KV; "
                 f"achieved {achieved / 1e9:.0f} GB/s")
         if peak:
             line += f" = {achieved / peak:.0%} of the copy bandwidth (floor {(weights + kv) / peak * 1e3:.2f} ms)"

@@ -28,6 +28,10 @@ that leaves a prompt part-way is followed by a decode step, so running streams k
 chunk's time apart. The trade: the long prompt's first token comes later (it waits for the
 decode steps and reads its own prefix once per chunk), and smaller chunks use the GPU less well.
 
+With `tp_size` N > 1 this engine is rank 0 of N processes, one per GPU (tp.py): it launches the
+others, which build the same engine around their part of the model and run each forward pass it
+sends them. Everything above happens on rank 0 only.
+
 `step()` returns the (request, token) pairs it produced, so a caller can stream them.
 """
 
@@ -47,6 +51,7 @@ from nano.memory import ensure_fits
 from nano.radix_cache import Node, RadixCache
 from nano.sampling import SamplingParams, sample
 from nano.torch_attn import TorchAttnBackend
+from nano.tp import TensorParallel, launch, parallelize, shard_config
 
 
 @dataclass
@@ -83,28 +88,42 @@ class Engine:
     def __init__(self, model_dir, device="cpu", dtype=torch.float32, attention_backend="torch",
                  load_format="safetensors", mem_fraction=0.85, max_total_tokens=None, max_requests=256,
                  context_length=None, use_mla=True, cuda_graph=False, cuda_graph_max_bs=160,
-                 max_prefill_tokens=16384, radix_cache=True, chunked_prefill_size=8192, seed=0, log=True):
+                 max_prefill_tokens=16384, radix_cache=True, chunked_prefill_size=8192, tp_size=1, seed=0, log=True,
+                 tp_group: TensorParallel | None = None):
+        # the other tensor-parallel ranks build their engines from these same arguments
+        args = {name: value for name, value in locals().items() if name not in ("self", "tp_group")}
         self.device, self.dtype, self.log = torch.device(device), dtype, log
         self.cfg = cfg = load_config(model_dir)
+        # rank 0 launches the other ranks; each of them comes here with its own group
+        self.tp = tp_group or (launch(cfg, args) if tp_size > 1 else None)
+        tp_rank = 0
+        if self.tp is not None:
+            self.device, tp_rank = self.tp.device, self.tp.rank
         self.use_mla = use_mla and cfg.is_deepseek
         self.context_length = min(context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
         # Before allocating anything: the weights, the request table, and a KV cache of the size
         # asked for or, failing that, room for one request of the full context.
-        per_token = kv_bytes_per_token(cfg, dtype, self.use_mla)
+        shard_cfg = shard_config(cfg, tp_size)  # this rank's heads and KV heads (all of them at tp 1)
+        per_token = kv_bytes_per_token(shard_cfg, dtype, self.use_mla)
         ensure_fits(self.device, dtype, {
-            f"{str(dtype).removeprefix('torch.')} weights": model_bytes(cfg, dtype, self.use_mla),
+            f"{str(dtype).removeprefix('torch.')} weights": model_bytes(shard_cfg, dtype, self.use_mla),
             "KV cache": (max_total_tokens or self.context_length) * per_token,
             "request table": max_requests * self.context_length * 4,
         })
         started = time.perf_counter()
         self.model = load_model(cfg, Path(model_dir), self.device, dtype,
-                                load_format, self.use_mla, seed)
+                                load_format, self.use_mla, seed, tp_rank, tp_size)
+        if self.tp is not None:
+            parallelize(self.model, self.tp)
         self._print(f"loaded {cfg.architecture} ({_count_params(self.model) / 1e9:.2f} B parameters, "
-                    f"{dtype}) on {self.device} in {time.perf_counter() - started:.1f} s")
+                    f"{dtype}) on {self.device} in {time.perf_counter() - started:.1f} s"
+                    + (f"; each of {tp_size} GPUs holds its part" if tp_size > 1 else ""))
 
         num_slots = max_total_tokens + 1 if max_total_tokens else slots_for_memory(
-            cfg, dtype, self.device, self.use_mla, mem_fraction)
-        self.kv_pool = KVPool(cfg, num_slots, dtype, self.device, self.use_mla)
+            shard_cfg, dtype, self.device, self.use_mla, mem_fraction)
+        if self.tp is not None:  # every rank's pool must have every slot rank 0 hands out
+            num_slots = self.tp.min_over_ranks(num_slots)
+        self.kv_pool = KVPool(shard_cfg, num_slots, dtype, self.device, self.use_mla)
         self.req_to_token_pool = ReqToTokenPool(max_requests, self.context_length, self.device)
         self.slots = SlotAllocator(num_slots, self.device)
         self.prefix_cache = RadixCache(self.slots) if radix_cache else None
@@ -116,7 +135,7 @@ class Engine:
         if attention_backend == "triton":
             from nano.triton_attn import TritonAttnBackend
 
-            self.attn = TritonAttnBackend(self.kv_pool, req_to_token, max_requests, cfg.num_heads)
+            self.attn = TritonAttnBackend(self.kv_pool, req_to_token, max_requests, shard_cfg.num_heads)
         else:
             self.attn = TorchAttnBackend(self.kv_pool, req_to_token)
         self.graph_runner = None
@@ -279,6 +298,8 @@ class Engine:
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         """One forward pass -> logits [B, vocab]: a graph replay when one fits the batch, else the
         backend's per-pass metadata and the model, eagerly (the same two steps a graph recorded)."""
+        if self.tp is not None and self.tp.rank == 0:  # the other ranks run the same pass
+            self.tp.send_batch(batch, self.req_to_token_pool.req_to_token)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
         self.attn.init_forward_metadata(batch)
@@ -317,6 +338,12 @@ class Engine:
         while self.has_work():
             self.step()
         return [r.output_ids for r in reqs]
+
+    def close(self):
+        """Stop the tensor-parallel workers (a single-GPU engine has nothing to stop)."""
+        if self.tp is not None:
+            self.graph_runner = None  # release the graphs before the communicator they run
+            self.tp.close()
 
 
 def _count_params(model) -> int:

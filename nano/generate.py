@@ -94,6 +94,7 @@ def add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--disable-radix-cache", action="store_true", help="compute every prompt in full")
     p.add_argument("--chunked-prefill-size", type=int, default=8192,
                    help="most prompt tokens one prefill step computes; longer prompts take several (0 or -1: off)")
+    p.add_argument("--tp-size", type=int, default=1, help="tensor parallelism: split the model over this many GPUs")
 
 
 def shipped_shape(name: str | None) -> Path | None:
@@ -155,7 +156,8 @@ def engine_from_args(args, model_dir: Path):
         raise UsageError(f"--dtype bfloat16: {torch.cuda.get_device_name(device)} has no bfloat16; use --dtype float16")
     for flag, value, low in [("--mem-fraction", args.mem_fraction, 0), ("--max-total-tokens", args.max_total_tokens, 0),
                              ("--max-running-requests", args.max_running_requests, 0),
-                             ("--context-length", args.context_length, 1), ("--cuda-graph-max-bs", args.cuda_graph_max_bs, 0)]:
+                             ("--context-length", args.context_length, 1), ("--cuda-graph-max-bs", args.cuda_graph_max_bs, 0),
+                             ("--tp-size", args.tp_size, 0)]:
         if value is not None and value <= low:
             raise UsageError(f"{flag} must be > {low}, got {value}")
     if args.mem_fraction >= 1:
@@ -177,6 +179,7 @@ def engine_from_args(args, model_dir: Path):
         max_requests=args.max_running_requests, context_length=args.context_length,
         use_mla=not args.disable_mla, cuda_graph=cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs or CUDA_GRAPH_MAX_BS,
         radix_cache=not args.disable_radix_cache, chunked_prefill_size=args.chunked_prefill_size,
+        tp_size=args.tp_size,
     )
 
 

@@ -7,14 +7,21 @@ are fused into one weight each, DeepSeek's experts are stacked. So each model pu
 walks the files once, copying each tensor straight into its place on the device. Tensors are read
 one at a time, so an 8B model never needs twice its size in host memory.
 
+A model split across GPUs (tp.py) is built in its rank's smaller shapes, and each rank reads only
+its block of every tensor (safetensors reads a slice without the rest of the tensor).
+
 The dummy load format fills the same shapes with random numbers, for benchmarks without a download.
-Both show a progress bar on a terminal: an 8B model takes seconds on a GPU, minutes on a CPU.
+Each tensor is drawn whole from a generator seeded by its name, then cut to the rank's block, so a
+model split over any number of GPUs is the same model. Both show a progress bar on a terminal: an
+8B model takes seconds on a GPU, minutes on a CPU.
 
 Before any of that, `model_bytes` tells the engine how much the weights will take, from a model
 built on torch's `meta` device: modules with shapes and dtypes but no storage.
 """
 
 import json
+import zlib
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -24,6 +31,7 @@ from tqdm import tqdm
 from nano.config import ModelConfig
 from nano.deepseek import build_deepseek_v2
 from nano.model import CausalLM, build_llama
+from nano.tp import checkpoint_shard, shard_config
 
 
 class WeightError(ValueError):
@@ -49,13 +57,15 @@ def model_bytes(cfg: ModelConfig, dtype: torch.dtype, use_mla: bool) -> int:
 
 
 def load_model(cfg: ModelConfig, model_dir, device, dtype: torch.dtype, load_format: str = "safetensors",
-               use_mla: bool = True, seed: int = 0) -> CausalLM:
-    """Build the model on `device` in `dtype` and fill its weights ("safetensors" or "dummy")."""
-    model = build_model(cfg, use_mla, device, dtype)
+               use_mla: bool = True, seed: int = 0, tp_rank: int = 0, tp_size: int = 1) -> CausalLM:
+    """Build the model (rank `tp_rank`'s part of it) on `device` in `dtype` and fill its weights
+    ("safetensors" or "dummy")."""
+    model = build_model(shard_config(cfg, tp_size), use_mla, device, dtype)
+    shard_of = partial(checkpoint_shard, cfg=cfg, rank=tp_rank, size=tp_size)
     if load_format == "dummy":
-        _fill_random(model, seed)
+        _fill_random(model, shard_of, seed)
     else:
-        _load_safetensors(model, Path(model_dir))
+        _load_safetensors(model, Path(model_dir), shard_of)
     return model.eval()
 
 
@@ -64,17 +74,39 @@ def _progress(model: CausalLM, what: str) -> tqdm:
     return tqdm(total=sum(p.nbytes for p in model.parameters()), desc=what, unit="B", unit_scale=True, delay=1, leave=False, disable=None)
 
 
-def _fill_random(model: CausalLM, seed: int):
+def _full_shape(target: torch.Tensor, shard) -> list[int]:
+    """The checkpoint tensor's shape, from the block of it that `target` holds."""
+    shape = list(target.shape)
+    if shard is not None:
+        dim, blocks, _ = shard
+        shape[dim] *= blocks
+    return shape
+
+
+def _block(shard, full_shape: list[int]) -> tuple[slice, ...]:
+    """Index of the rank's block in the checkpoint tensor."""
+    if shard is None:
+        return (slice(None),)
+    dim, blocks, index = shard
+    n = full_shape[dim] // blocks
+    return (slice(None),) * dim + (slice(index * n, (index + 1) * n),)
+
+
+def _fill_random(model: CausalLM, shard_of, seed: int):
     """Random weights in the real shapes: norms near 1, matrices small enough to keep
     activations bounded through many layers."""
-    gen = torch.Generator(device=model.embed_tokens.device).manual_seed(seed)
+    device = model.embed_tokens.device
     with _progress(model, "random weights") as bar:
-        for name, p in model.named_parameters():
+        for name, (param, index) in model.checkpoint_layout().items():
+            target, shard = param.data[index], shard_of(name)
+            full = torch.empty(_full_shape(target, shard), dtype=target.dtype, device=device)
+            gen = torch.Generator(device).manual_seed(seed + zlib.crc32(name.encode()))
             if name.endswith("norm.weight"):
-                p.data.uniform_(0.9, 1.1, generator=gen)
+                full.uniform_(0.9, 1.1, generator=gen)
             else:
-                p.data.normal_(0, 0.02, generator=gen)
-            bar.update(p.nbytes)
+                full.normal_(0, 0.02, generator=gen)
+            target.copy_(full[_block(shard, full.shape)])
+            bar.update(target.nbytes)
 
 
 def _checkpoint_files(model_dir: Path) -> list[Path]:
@@ -95,7 +127,7 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _load_safetensors(model: CausalLM, model_dir: Path):
+def _load_safetensors(model: CausalLM, model_dir: Path, shard_of):
     layout = model.checkpoint_layout()
     loaded = set()
     device = model.embed_tokens.device
@@ -107,13 +139,13 @@ def _load_safetensors(model: CausalLM, model_dir: Path):
                         if name not in layout:
                             continue  # e.g. rotary_emb.inv_freq, or lm_head of a tied model
                         param, index = layout[name]
-                        target = param.data[index]
-                        tensor = f.get_tensor(name)
-                        if tensor.shape != target.shape:
+                        target, shard = param.data[index], shard_of(name)
+                        stored, expected = f.get_slice(name), _full_shape(target, shard)
+                        if stored.get_shape() != expected:
                             raise WeightError(
-                                f"{path.name}: tensor {name} has shape {list(tensor.shape)}, "
-                                f"expected {list(target.shape)}"
+                                f"{path.name}: tensor {name} has shape {stored.get_shape()}, expected {expected}"
                             )
+                        tensor = stored[_block(shard, expected)]  # reads only this rank's block
                         target.copy_(model.prepare_checkpoint_tensor(name, tensor).to(device))
                         loaded.add(name)
                         bar.update(target.nbytes)

@@ -16,8 +16,10 @@ Three things make the code below differ from a training implementation:
 - only the last token of each request gets logits: that is all sampling needs.
 
 Loading weights into these modules is loader.py's job; each model only says where a checkpoint
-tensor goes (`checkpoint_layout`). The Triton kernels are imported inside the `x.is_cuda` branches
-that run them (here, in rope.py and deepseek.py), so a CPU run never imports triton.
+tensor goes (`checkpoint_layout`). Splitting the model across GPUs is tp.py's: it builds these same
+modules in smaller shapes and adds the communication from outside. The Triton kernels are imported
+inside the `x.is_cuda` branches that run them (here, in rope.py and deepseek.py), so a CPU run
+never imports triton.
 """
 
 import torch
@@ -134,15 +136,21 @@ class CausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, attn) -> torch.Tensor:
         """-> logits [B, vocab] (float32) of each request's last token. The caller has run
         `attn.init_forward_metadata(batch)` (engine.py, cuda_graph_runner.py)."""
-        x, residual = F.embedding(batch.input_ids, self.embed_tokens), None  # [T, hidden]
+        x, residual = self.embed(batch.input_ids), None  # [T, hidden]
         for layer in self.layers:
             x, residual = layer(x, residual, batch, attn)
         if not batch.is_decode:  # keep only each request's last token
             last = batch.extend_start_loc + batch.extend_lens - 1
             x, residual = x[last], residual[last]  # [B, hidden]
         x, _ = self.norm.add_and_norm(x, residual)
-        head = self.embed_tokens if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, head).float()
+        return self.logits(x).float()
+
+    # tp.py replaces these two with vocabulary-parallel versions on a model split across GPUs
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed_tokens)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.embed_tokens if self.lm_head is None else self.lm_head.weight)
 
     def checkpoint_layout(self) -> dict[str, tuple[torch.Tensor, tuple]]:
         """HF tensor name -> (our parameter, index of the rows it fills)."""
