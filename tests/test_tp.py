@@ -37,14 +37,14 @@ def test_each_rank_loads_its_block(tmp_path, load_format):
     """Checkpoint tensors cut by role: heads and widths by rows, o_proj/down_proj by columns, a KV
     head shared by both ranks when there is only one, norms and the router whole. Dummy weights
     are cut the same way from the same draws, so any split is the same model."""
-    save_tiny_llama(tmp_path / "llama", "llama3-rope")  # 4 heads of 16, 1 KV head, vocab 320
+    save_tiny_llama(tmp_path / "llama", "llama3-rope")  # 4 heads of 32, 1 KV head, vocab 320
     save_tiny_deepseek(tmp_path / "deepseek", "q-lora-scaled")  # 4 heads, q_lora 24, latent 32, 8 experts of 24
     whole = {shape: rank_weights(tmp_path / shape, 0, 1, load_format) for shape in ("llama", "deepseek")}
     for rank in (0, 1):
-        rows, halves = slice(16 * 2 * rank, 16 * 2 * (rank + 1)), slice(160 * rank, 160 * (rank + 1))
+        rows, halves = slice(32 * 2 * rank, 32 * 2 * (rank + 1)), slice(160 * rank, 160 * (rank + 1))
         part, full = rank_weights(tmp_path / "llama", rank, load_format=load_format), whole["llama"]
         attn, mlp = "layers.1.self_attn", "layers.1.mlp"
-        q, kv = full[f"{attn}.qkv_proj.weight"].split([64, 32])  # 4 query heads, then the one K and V head
+        q, kv = full[f"{attn}.qkv_proj.weight"].split([128, 64])  # 4 query heads, then the one K and V head
         assert torch.equal(part[f"{attn}.qkv_proj.weight"], torch.cat([q[rows], kv]))
         assert torch.equal(part[f"{attn}.o_proj.weight"], full[f"{attn}.o_proj.weight"][:, rows])
         gate, up = full[f"{mlp}.gate_up_proj.weight"].chunk(2)
@@ -57,10 +57,10 @@ def test_each_rank_loads_its_block(tmp_path, load_format):
 
         part, full = rank_weights(tmp_path / "deepseek", rank, load_format=load_format), whole["deepseek"]
         heads = slice(2 * rank, 2 * (rank + 1))
-        per_head = full[f"{attn}.q_b_proj.weight"].view(4, 24, 24)  # [heads, nope 16 + rope 8, q_lora]
+        per_head = full[f"{attn}.q_b_proj.weight"].view(4, 24, 24)  # [heads, nope 8 + rope 16, q_lora]
         assert torch.equal(part[f"{attn}.q_b_proj.weight"], per_head[heads].reshape(48, 24))
-        per_head = full[f"{attn}.kv_b_proj.weight"].view(4, 32, 32)  # [heads, nope 16 + v 16, latent]
-        assert torch.equal(part[f"{attn}.kv_b_proj.weight"], per_head[heads].reshape(64, 32))
+        per_head = full[f"{attn}.kv_b_proj.weight"].view(4, 24, 32)  # [heads, nope 8 + v 16, latent]
+        assert torch.equal(part[f"{attn}.kv_b_proj.weight"], per_head[heads].reshape(48, 32))
         for replicated in (f"{attn}.kv_a_proj_with_mqa.weight", f"{attn}.q_a_proj.weight", f"{mlp}.gate.weight"):
             assert torch.equal(part[replicated], full[replicated]), replicated
         gate, up = full[f"{mlp}.w13"].chunk(2, dim=1)  # [experts, 24, hidden] each
@@ -75,7 +75,7 @@ def test_dummy_weights_fill_every_parameter(tmp_path, save):
     keep whatever memory it got."""
     save(tmp_path, "gqa" if save is save_tiny_llama else "lite")
     cfg = load_config(tmp_path)
-    model = build_model(shard_config(cfg, 2), use_mla=True)
+    model = build_model(shard_config(cfg, 2), True, "cpu", torch.float32)
     for param in model.parameters():
         param.data.fill_(float("nan"))
     _fill_random(model, partial(checkpoint_shard, cfg=cfg, rank=1, size=2), seed=0)
