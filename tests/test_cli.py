@@ -3,7 +3,6 @@ on stderr and exit status 2 (never a traceback), Ctrl-C with exit status 130."""
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -13,25 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.test_llama_parity import save_tiny_llama
-
-
-def run_cli(*args, timeout=300, module="nano.generate", **kwargs):
-    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
-                          timeout=timeout, **kwargs)
+from tests.helpers import assert_one_line_error, run_cli, save_tiny_chat_model
 
 
 def run_bench(*args):
     return run_cli(*args, module="nano.bench_latency")
-
-
-def assert_one_line_error(result, *fragments):
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert lines[-1].startswith("error: ") and "Traceback" not in result.stderr, result.stderr
-    for fragment in fragments:
-        assert fragment in lines[-1], lines[-1]
-    assert result.stdout == ""
 
 
 def test_capital_of_france(smollm2_dir):
@@ -51,21 +36,6 @@ def test_several_prompts_print_in_order(smollm2_dir, tmp_path):
     blocks = result.stdout.split("--- prompt ")
     assert [b[:1] for b in blocks[1:]] == ["1", "2", "3"]
     assert "Paris" in blocks[1] and "Italy" in blocks[2] and "Red" in blocks[3]
-
-
-def save_tiny_chat_model(folder, tokenizer_dir, **config):
-    """A tiny random Llama with a real vocabulary, tokenizer and chat template (SmolLM2's)."""
-    folder.mkdir()
-    save_tiny_llama(folder, "gqa")
-    config = {**json.loads((folder / "config.json").read_text()), "vocab_size": 49152, **config}
-    (folder / "config.json").write_text(json.dumps(config))
-    weights = load_file(folder / "model.safetensors")
-    weights["model.embed_tokens.weight"] = torch.randn(49152, 64)
-    weights["lm_head.weight"] = torch.randn(49152, 64)
-    save_file(weights, folder / "model.safetensors")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, folder / name)
-    return folder
 
 
 @pytest.fixture

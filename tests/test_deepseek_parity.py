@@ -16,39 +16,8 @@ from nano import deepseek  # noqa: E402
 from nano.config import parse_config  # noqa: E402
 from nano.engine import Engine  # noqa: E402
 from nano.sampling import SamplingParams  # noqa: E402
-from tests.test_llama_parity import assert_matches_hf, frequency_bands, random_prompts, record_logits  # noqa: E402
-
-# YaRN's ramp runs from the rope channel that turns beta_fast times over the original context to
-# the one that turns beta_slow times. Over 32 tokens DeepSeek's 32 and 1 would start it at channel
-# 0, leaving no channel where its clamp at 0 acts. With these betas, of the 8 channels, 0 is clamped
-# to 0, 2 and 3 are on the ramp, 5 to 7 are clamped to 1 (test_rope_bands checks).
-YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32,
-            mscale=0.707, mscale_all_dim=0.707, beta_fast=1, beta_slow=0.125)
-# Keys of 8 + 16 = 24 channels: the Triton kernels split them into a 16-wide main part and a rest.
-TINY = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_hidden_layers=3,
-            num_attention_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=8,
-            qk_rope_head_dim=16, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=3,
-            n_shared_experts=2, first_k_dense_replace=1, vocab_size=320, max_position_embeddings=128,
-            initializer_range=0.2, rope_parameters=YARN)
-VARIANTS = {
-    "lite": {},
-    "q-lora-scaled": dict(q_lora_rank=24, routed_scaling_factor=2.5),
-    "norm-topk": dict(norm_topk_prob=True, routed_scaling_factor=2.5),
-}
-
-
-def save_tiny_deepseek(path, variant: str, config_form: str = "v5", seed: int = 0):
-    torch.manual_seed(seed)
-    model = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(**(TINY | VARIANTS[variant]))).eval()
-    model.save_pretrained(path)
-    if config_form == "v4":  # the hub checkpoints' form: rope_theta on top, rope_scaling keyed `type`
-        raw = json.loads((path / "config.json").read_text())
-        params = raw.pop("rope_parameters")
-        raw["rope_theta"] = params.pop("rope_theta")
-        raw["rope_scaling"] = {"type": params.pop("rope_type"), **params}
-        (path / "config.json").write_text(json.dumps(raw))
-    return model
-
+from tests.helpers import (DEEPSEEK_TINY, DEEPSEEK_VARIANTS, assert_matches_hf,  # noqa: E402
+                           frequency_bands, random_prompts, record_logits, save_tiny_deepseek)
 
 def renormalise_like_deepseek(monkeypatch):
     """HF 5.24's router drops norm_topk_prob (no released V2 checkpoint sets it); DeepSeek's own
@@ -66,7 +35,7 @@ def renormalise_like_deepseek(monkeypatch):
 
 def run_and_compare(path, hf_model, monkeypatch, use_mla, lengths=(5, 17, 1, 40), new_tokens=6):
     steps = record_logits(monkeypatch)
-    prompts = random_prompts(list(lengths), TINY["vocab_size"])
+    prompts = random_prompts(list(lengths), DEEPSEEK_TINY["vocab_size"])
     engine = Engine(path, max_total_tokens=256, use_mla=use_mla, log=False)
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
     assert all(len(o) == new_tokens for o in outputs)
@@ -77,16 +46,16 @@ def test_rope_bands():
     """The parity tests check YaRN's ramp (the share of each frequency divided by the factor) at
     both ends and in between only if the tiny config has channels there. The ramp is exactly 0 at
     one channel and exactly 1 at one: two at an end means one where the clamp acts."""
-    cfg = parse_config(transformers.DeepseekV2Config(**TINY).to_dict() | {"architectures": ["DeepseekV2ForCausalLM"]})
+    cfg = parse_config(transformers.DeepseekV2Config(**DEEPSEEK_TINY).to_dict() | {"architectures": ["DeepseekV2ForCausalLM"]})
     kept, on_ramp, divided = frequency_bands(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
     assert kept >= 2 and on_ramp >= 1 and divided >= 2, (kept, on_ramp, divided)
 
 
 @pytest.mark.parametrize("use_mla", [True, False], ids=["mla", "expanded"])
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", list(DEEPSEEK_VARIANTS))
 def test_prefill_and_decode_match_hf(tmp_path, monkeypatch, variant, use_mla):
     hf_model = save_tiny_deepseek(tmp_path, variant)
-    if VARIANTS[variant].get("norm_topk_prob"):
+    if DEEPSEEK_VARIANTS[variant].get("norm_topk_prob"):
         renormalise_like_deepseek(monkeypatch)
     run_and_compare(tmp_path, hf_model, monkeypatch, use_mla)
 
@@ -102,7 +71,7 @@ def test_moe_forms_match_hf(num_tokens):
     """The grouped, matvec and fused forms each equal HF's MoE block (on CPU the engine runs only
     grouped, so the parity tests above see no other)."""
     torch.manual_seed(0)
-    hf_cfg = transformers.DeepseekV2Config(**TINY, routed_scaling_factor=1.5)
+    hf_cfg = transformers.DeepseekV2Config(**DEEPSEEK_TINY, routed_scaling_factor=1.5)
     hf_moe = transformers.models.deepseek_v2.modeling_deepseek_v2.DeepseekV2Moe(hf_cfg)
     for p in hf_moe.parameters():
         torch.nn.init.normal_(p, std=0.2)
@@ -114,7 +83,7 @@ def test_moe_forms_match_hf(num_tokens):
         moe.w2.copy_(hf_moe.experts.down_proj)
         moe.shared_experts.gate_up_proj.weight.copy_(torch.cat([shared.gate_proj.weight, shared.up_proj.weight]))
         moe.shared_experts.down_proj.weight.copy_(shared.down_proj.weight)
-        x = torch.randn(num_tokens, TINY["hidden_size"])
+        x = torch.randn(num_tokens, DEEPSEEK_TINY["hidden_size"])
         expected = hf_moe(x[None])[0] - shared(x)
         weights, ids = moe.route(x)
         forms = [moe.grouped]
@@ -133,7 +102,7 @@ def test_moe_forms_match_hf(num_tokens):
 def test_bfloat16_on_gpu_matches_hf_float32(tmp_path, monkeypatch, use_mla, backend):
     hf_model = save_tiny_deepseek(tmp_path, "lite")
     steps = record_logits(monkeypatch)
-    prompts = random_prompts([5, 17, 1, 40], TINY["vocab_size"])
+    prompts = random_prompts([5, 17, 1, 40], DEEPSEEK_TINY["vocab_size"])
     engine = Engine(tmp_path, device="cuda", dtype=torch.bfloat16, attention_backend=backend,
                     max_total_tokens=256, use_mla=use_mla, log=False)
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))

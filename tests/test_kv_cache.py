@@ -5,7 +5,7 @@ import torch
 from nano.config import load_config
 from nano.kv_cache import CPU_KV_CACHE_MAX_BYTES, SlotAllocator, kv_bytes_per_token, slots_for_memory
 from nano.memory import free_bytes
-from tests.test_llama_parity import TINY, random_prompts, save_tiny_llama
+from tests.helpers import LLAMA_TINY, random_prompts, save_tiny_llama
 
 from nano.engine import Engine
 from nano.sampling import SamplingParams
@@ -35,7 +35,7 @@ def test_cpu_pool_is_a_fraction_of_available_memory_capped():
 
 def test_batch_equals_single_runs_and_more_prompts_than_pool(tmp_path):
     save_tiny_llama(tmp_path, "gqa")
-    prompts = random_prompts([3, 30, 11, 7, 25, 1, 16], TINY["vocab_size"], seed=5)
+    prompts = random_prompts([3, 30, 11, 7, 25, 1, 16], LLAMA_TINY["vocab_size"], seed=5)
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     singles = [Engine(tmp_path, max_total_tokens=64, log=False).generate([p], params)[0] for p in prompts]
     # the pool holds 64 tokens: at most two or three of these requests at once, so the others
@@ -49,7 +49,7 @@ def test_batch_equals_single_runs_and_more_prompts_than_pool(tmp_path):
 
 def test_stop_ids_end_requests_on_their_own(tmp_path):
     save_tiny_llama(tmp_path, "mha")
-    prompts = random_prompts([4, 9, 14], TINY["vocab_size"], seed=2)
+    prompts = random_prompts([4, 9, 14], LLAMA_TINY["vocab_size"], seed=2)
     engine = Engine(tmp_path, max_total_tokens=200, log=False)
     free_run = engine.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True))
     stop = free_run[1][3]  # request 1 must stop at its 4th token
@@ -61,7 +61,7 @@ def test_stop_ids_end_requests_on_their_own(tmp_path):
 
 def test_seeded_sampling_does_not_depend_on_the_batch(tmp_path):
     save_tiny_llama(tmp_path, "gqa")
-    prompts = random_prompts([6, 13, 2], TINY["vocab_size"], seed=3)
+    prompts = random_prompts([6, 13, 2], LLAMA_TINY["vocab_size"], seed=3)
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_new_tokens=8, seed=11, ignore_eos=True)
     engine = Engine(tmp_path, max_total_tokens=200, log=False)
     batched = engine.generate(prompts, params)

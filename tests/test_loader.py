@@ -12,8 +12,7 @@ from nano.forward_batch import ForwardBatch  # noqa: E402
 from nano.kv_cache import KVPool  # noqa: E402
 from nano.loader import load_model  # noqa: E402
 from nano.torch_attn import TorchAttnBackend  # noqa: E402
-from tests.test_deepseek_parity import save_tiny_deepseek  # noqa: E402
-from tests.test_llama_parity import random_prompts, save_tiny_llama  # noqa: E402
+from tests.helpers import random_prompts, save_tiny_deepseek, save_tiny_llama  # noqa: E402
 
 
 def prefill_logits(model, cfg, prompt: list[int], dtype) -> torch.Tensor:

@@ -16,8 +16,7 @@ from nano.config import load_config
 from nano.deepseek import MoE
 from nano.generate import SHIPPED_CONFIGS
 from nano.moe_kernels import align_pairs_by_expert, expert_matvec, fused_moe_config, fused_moe_matmul
-from tests.test_triton_attn import nan_allocations
-from tests.test_triton_ops import DEVICE, DTYPES, assert_close, gpu, randn
+from tests.helpers import DEVICE, DTYPES, assert_close, gpu, nan_allocations, randn
 
 
 def random_expert_ids(num_tokens: int, top_k: int, num_experts: int,

@@ -10,8 +10,7 @@ from nano.engine import Engine
 from nano.kv_cache import SlotAllocator
 from nano.radix_cache import RadixCache
 from nano.sampling import SamplingParams
-from tests.test_deepseek_parity import save_tiny_deepseek
-from tests.test_llama_parity import TINY, random_prompts, save_tiny_llama
+from tests.helpers import LLAMA_TINY, random_prompts, save_tiny_deepseek, save_tiny_llama
 
 
 def cached_prefixes(tree: RadixCache) -> dict[tuple, int]:
@@ -130,8 +129,8 @@ PARAMS = SamplingParams(max_new_tokens=5, ignore_eos=True)
 
 
 def shared_prefix_prompts(seed=0):
-    stem, other = random_prompts([14, 9], TINY["vocab_size"], seed=seed)
-    tails = random_prompts([3, 6, 1, 8], TINY["vocab_size"], seed=seed + 1)
+    stem, other = random_prompts([14, 9], LLAMA_TINY["vocab_size"], seed=seed)
+    tails = random_prompts([3, 6, 1, 8], LLAMA_TINY["vocab_size"], seed=seed + 1)
     # a stem shared by most, one prompt that is all stem (fully cached the second time), one apart
     return [stem + tails[0], stem + tails[1], stem, other + tails[2], stem[:5] + tails[3]]
 
@@ -175,7 +174,7 @@ def test_triton_backend_with_prefix_cache_and_chunks_equals_torch(tmp_path, mode
 
 def test_second_turn_computes_only_its_new_tokens(tmp_path):
     save_tiny_llama(tmp_path, "gqa")
-    turn1, user2 = random_prompts([17, 6], TINY["vocab_size"], seed=3)
+    turn1, user2 = random_prompts([17, 6], LLAMA_TINY["vocab_size"], seed=3)
     engine = Engine(tmp_path, max_total_tokens=128, log=False)
     answer1 = engine.generate([turn1], PARAMS)[0]
     turn2 = turn1 + answer1 + user2
@@ -191,8 +190,8 @@ def test_second_turn_computes_only_its_new_tokens(tmp_path):
 def test_small_pool_randomized_run_never_leaks_and_matches_the_plain_engine(tmp_path):
     save_tiny_llama(tmp_path, "gqa")
     rng = random.Random(7)
-    stems = random_prompts([12, 20, 6], TINY["vocab_size"], seed=8)
-    prompts = [rng.choice(stems)[: rng.randrange(1, 21)] + random_prompts([rng.randrange(1, 9)], TINY["vocab_size"],
+    stems = random_prompts([12, 20, 6], LLAMA_TINY["vocab_size"], seed=8)
+    prompts = [rng.choice(stems)[: rng.randrange(1, 21)] + random_prompts([rng.randrange(1, 9)], LLAMA_TINY["vocab_size"],
                                                                          seed=100 + i)[0] for i in range(24)]
     params = [SamplingParams(max_new_tokens=rng.randrange(1, 9), ignore_eos=True) for _ in prompts]
     expected = Engine(tmp_path, max_total_tokens=200, radix_cache=False, chunked_prefill_size=0,
@@ -220,7 +219,7 @@ def test_small_pool_randomized_run_never_leaks_and_matches_the_plain_engine(tmp_
 
 def test_running_requests_decode_between_the_chunks_of_a_long_prompt(tmp_path):
     save_tiny_llama(tmp_path, "gqa")
-    short, long = random_prompts([4, 30], TINY["vocab_size"], seed=9)
+    short, long = random_prompts([4, 30], LLAMA_TINY["vocab_size"], seed=9)
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     engine = Engine(tmp_path, max_total_tokens=128, chunked_prefill_size=8, log=False)
     running = engine.add_request(short, params)

@@ -27,7 +27,7 @@ pytest.importorskip("fastapi")
 from nano.engine import Engine  # noqa: E402
 from nano.serve import MAX_BODY_BYTES, build_app  # noqa: E402
 from nano.tokenizer import Tokenizer  # noqa: E402
-from tests.test_cli import run_cli, save_tiny_chat_model  # noqa: E402
+from tests.helpers import run_cli, save_tiny_chat_model  # noqa: E402
 
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

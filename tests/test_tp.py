@@ -23,8 +23,7 @@ from nano.tp import checkpoint_shard, shard_config
 transformers = pytest.importorskip("transformers")
 
 from nano.engine import Engine  # noqa: E402
-from tests.test_deepseek_parity import save_tiny_deepseek  # noqa: E402
-from tests.test_llama_parity import random_prompts, record_logits, save_tiny_llama  # noqa: E402
+from tests.helpers import random_prompts, record_logits, save_tiny_deepseek, save_tiny_llama  # noqa: E402
 
 
 def rank_weights(path, rank, size=2, load_format="safetensors"):

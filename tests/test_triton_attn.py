@@ -22,10 +22,10 @@ from nano.forward_batch import ForwardBatch
 from nano.kv_cache import KVPool
 from nano.torch_attn import TorchAttnBackend
 from nano.triton_attn import TritonAttnBackend
+from tests.helpers import gpu, nan_allocations
 
 LAYER = 1  # pools have two layers: the kernels must read the one they are given
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 # Compiled Triton kernels cannot read CPU tensors: the small tests need the interpreter, which
 # conftest switches on where there is no GPU (on a GPU machine the gpu tests cover the kernels).
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
@@ -117,16 +117,6 @@ def build_scene(shape: Shape, dtype, device, prefix_lens: list[int], extend_lens
     v = None if shape.mla else rand(shape.num_kv_heads, shape.v_dim)
     return Scene(shape, pool, req_to_token, batch, rand(shape.num_heads, shape.k_dim),
                  rand(shape.num_kv_heads, shape.k_dim), v)
-
-
-@contextlib.contextmanager
-def nan_allocations():
-    """Fresh torch.empty tensors come filled with NaN (torch does this in deterministic mode)."""
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(False)
 
 
 def run_triton(scene: Scene, backend: TritonAttnBackend) -> torch.Tensor:

@@ -10,8 +10,7 @@ import torch
 
 from nano.engine import Engine
 from nano.sampling import SamplingParams
-from tests.test_deepseek_parity import save_tiny_deepseek
-from tests.test_llama_parity import TINY, random_prompts, record_logits, save_tiny_llama
+from tests.helpers import LLAMA_TINY, random_prompts, record_logits, save_tiny_deepseek, save_tiny_llama
 
 
 def greedy(path, backend, prompts, **engine_args):
@@ -28,7 +27,7 @@ def test_triton_backend_greedy_equals_torch_on_cpu(tmp_path, model):
     else:
         save_tiny_deepseek(tmp_path, "lite")
         args = dict(use_mla=model == "deepseek-mla")
-    prompts = random_prompts([7, 1, 19], TINY["vocab_size"], seed=4)
+    prompts = random_prompts([7, 1, 19], LLAMA_TINY["vocab_size"], seed=4)
     assert greedy(tmp_path, "triton", prompts, max_total_tokens=128, **args) == \
         greedy(tmp_path, "torch", prompts, max_total_tokens=128, **args)
 
@@ -78,7 +77,7 @@ def test_float32_triton_equals_torch_on_gpu(tmp_path, monkeypatch, model):
     else:
         save_tiny_deepseek(tmp_path, "lite")
         args = dict(use_mla=True)
-    prompts = random_prompts([5, 70, 33, 1, 48, 17], TINY["vocab_size"], seed=5)
+    prompts = random_prompts([5, 70, 33, 1, 48, 17], LLAMA_TINY["vocab_size"], seed=5)
     runs = {}
     for name, backend, cuda_graph in [("torch", "torch", False), ("triton", "triton", False),
                                       ("triton with graphs", "triton", True)]:

@@ -13,22 +13,12 @@ import torch.nn.functional as F
 
 from nano.rope import RotaryEmbedding
 from nano.triton_ops import apply_rope_, fused_add_rms_norm, rms_norm, route_top_k, silu_and_mul
-from tests.test_triton_attn import nan_allocations
+from tests.helpers import DEVICE, DTYPES, assert_close, gpu, nan_allocations, randn
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
-DTYPES = [torch.float32, torch.float16]
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEEPSEEK_YARN = {"rope_type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
                  "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
 LLAMA_3_1_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                      "original_max_position_embeddings": 8192}
-
-
-def assert_close(out: torch.Tensor, ref: torch.Tensor):
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    assert not out.isnan().any(), "the kernel left or produced NaN"
-    torch.testing.assert_close(out, ref, atol=TOLERANCE[ref.dtype], rtol=TOLERANCE[ref.dtype])
 
 
 def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -40,10 +30,6 @@ def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 def reference_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.float().chunk(2, dim=-1)
     return (F.silu(gate) * up).to(gate_up.dtype)
-
-
-def randn(*shape, dtype):
-    return torch.randn(*shape, dtype=dtype, device=DEVICE)
 
 
 def check_norms(num_tokens: int, hidden: int, dtype: torch.dtype, row_stride: int):
