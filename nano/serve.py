@@ -54,15 +54,23 @@ MAX_BODY_BYTES = 4 << 20  # a context's worth of text or token ids is far less
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions; chat runs to the context
 
 
-class EngineFailure(Exception):
-    """A step raised while running this request."""
+class APIError(Exception):
+    """An error as the client gets it, in OpenAI's error JSON (the engine thread sends one to each
+    request of a step that failed)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        kind = "server_error" if self.status >= 500 else "invalid_request_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
 @dataclass
 class Stream:
     """One request on its way through the engine thread. `events` receives a ValueError if the
     engine refuses the request, else one (token, finish_reason) per token, finish_reason None until
-    the last; or an EngineFailure."""
+    the last; or an APIError (500) if a step fails on it."""
     prompt_ids: list[int]
     params: SamplingParams
     stop_ids: set[int]
@@ -73,19 +81,19 @@ class Stream:
 class EngineThread:
     def __init__(self, engine, loop: asyncio.AbstractEventLoop):
         self.engine, self.loop = engine, loop
-        self.inbox = queue.SimpleQueue()  # ("add" | "abort", stream) or ("stop", None)
+        self.inbox = queue.SimpleQueue()  # (self._add or self._abort, stream), or (None, None) to stop
         self.streams: dict[int, Stream] = {}  # rid -> stream, while the engine holds the request
         self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.thread.start()
 
     def submit(self, stream: Stream):
-        self.inbox.put(("add", stream))
+        self.inbox.put((self._add, stream))
 
     def abort(self, stream: Stream):
-        self.inbox.put(("abort", stream))  # a no-op for a request that is done already
+        self.inbox.put((self._abort, stream))  # a no-op for a request that is done already
 
     def stop(self):
-        self.inbox.put(("stop", None))
+        self.inbox.put((None, None))
         self.thread.join()
 
     def _run(self):
@@ -94,13 +102,10 @@ class EngineThread:
             messages = [] if self.engine.has_work() else [self.inbox.get()]
             while not self.inbox.empty():
                 messages.append(self.inbox.get())
-            for kind, stream in messages:
-                if kind == "stop":
+            for action, stream in messages:
+                if action is None:
                     return
-                if kind == "add":
-                    self._add(stream)
-                else:
-                    self._abort(stream)
+                action(stream)  # on this thread: only it touches the engine
             if self.engine.has_work():
                 self._step()
 
@@ -108,7 +113,7 @@ class EngineThread:
         try:
             stream.request = self.engine.add_request(stream.prompt_ids, stream.params, stream.stop_ids)
         except ValueError as e:
-            self.loop.call_soon_threadsafe(stream.events.put_nowait, e)
+            self.loop.call_soon_threadsafe(_deliver, [(stream, e)])
             return
         self.streams[stream.request.rid] = stream
 
@@ -123,19 +128,18 @@ class EngineThread:
             traceback.print_exc()
             # every admitted request may have been in the failed pass (running ones, a prompt part-way,
             # prompts being prefilled); waiting ones were not touched and stay queued
-            failed = [self.streams.pop(rid) for rid, stream in list(self.streams.items())
-                      if stream.request is not None and stream.request.row >= 0]
+            failed = [stream for stream in self.streams.values() if stream.request.row >= 0]
             for stream in failed:
-                self.engine.abort(stream.request)
-            failure = EngineFailure(f"the engine failed on this request ({type(e).__name__}); see the server log")
-            self.loop.call_soon_threadsafe(_deliver, [(stream, failure) for stream in failed])
+                self._abort(stream)
+            message = f"the engine failed on this request ({type(e).__name__}); see the server log"
+            self.loop.call_soon_threadsafe(_deliver, [(stream, APIError(500, message)) for stream in failed])
             return
         out = []
         for req, token in events:
-            reason = None
             if req.finished:
-                reason = "stop" if token in req.stop_ids else "length"
-            out.append((self.streams.pop(req.rid) if reason else self.streams[req.rid], (token, reason)))
+                out.append((self.streams.pop(req.rid), (token, "stop" if token in req.stop_ids else "length")))
+            else:
+                out.append((self.streams[req.rid], (token, None)))
         self.loop.call_soon_threadsafe(_deliver, out)
 
 
@@ -165,18 +169,39 @@ class Detokenizer:
         return text[: len(text) - held], False
 
 
+async def _pieces(stream: Stream, event, detokenizer: Detokenizer, engine_thread: EngineThread):
+    """-> (text, token, finish_reason) per token, finish_reason set on the last; raises the APIError
+    of a failed step."""
+    while True:
+        if isinstance(event, APIError):
+            raise event
+        token, reason = event
+        text, stopped = detokenizer.push(token)
+        if stopped:
+            engine_thread.abort(stream)
+            yield text, token, "stop"
+            return
+        if reason:
+            yield text + detokenizer.held, token, reason
+            return
+        yield text, token, None
+        event = await stream.events.get()
+
+
 # ---- the API's request bodies --------------------------------------------------------------
 Int64 = Annotated[int, Field(ge=0, le=2**63 - 1)]  # seeds and top-k end up in int64 tensors
 StopString = Annotated[str, Field(min_length=1)]
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)  # an unknown field is a feature we lack
+
+
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class GenerationRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)  # an unknown field is a feature we lack
+class GenerationRequest(StrictModel):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0)  # OpenAI's default; 0 is greedy
@@ -195,8 +220,7 @@ class CompletionRequest(GenerationRequest):
     prompt: str | list[int]
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class ChatMessage(StrictModel):
     role: Literal["system", "user", "assistant"]
     content: str
 
@@ -204,15 +228,6 @@ class ChatMessage(BaseModel):
 class ChatRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def body(self) -> dict:
-        kind = "server_error" if self.status >= 500 else "invalid_request_error"
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
 async def read_json(http: HTTPRequest) -> dict:
@@ -249,8 +264,8 @@ async def until_disconnected(http: HTTPRequest, awaitable):
     return None
 
 
-def _sse(data: dict | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+def _sse(data: dict) -> str:
+    return f"data: {json.dumps(data)}\n\n"
 
 
 # ---- the app ---------------------------------------------------------------------------------
@@ -266,16 +281,14 @@ def build_app(engine, tokenizer: Tokenizer | None, model_name: str, api_key: str
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(APIError)
-    async def api_error(_, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
-
-    @app.exception_handler(HTTPException)  # unknown paths and methods, in the same JSON
-    async def http_error(_, e: HTTPException):
-        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
-
+    @app.exception_handler(HTTPException)  # Starlette's: unknown paths and methods
     @app.exception_handler(Exception)  # a bug: the client gets one line, the log the traceback
-    async def internal_error(_, e: Exception):
-        return JSONResponse(APIError(500, f"internal error ({type(e).__name__})").body(), status_code=500)
+    async def error_json(_, e: Exception):
+        if isinstance(e, HTTPException):
+            e = APIError(e.status_code, str(e.detail))
+        elif not isinstance(e, APIError):
+            e = APIError(500, f"internal error ({type(e).__name__})")
+        return JSONResponse(e.body(), status_code=e.status)
 
     async def check_api_key(http: HTTPRequest):
         sent = http.headers.get("authorization", "")
@@ -384,12 +397,12 @@ def build_app(engine, tokenizer: Tokenizer | None, model_name: str, api_key: str
                     async for text, token, reason in pieces:
                         n += 1
                         yield _sse({**head, "choices": [choice(text, [token], reason, first=n == 1)]})
-                except EngineFailure as e:
-                    yield _sse(APIError(500, str(e)).body())
+                except APIError as e:
+                    yield _sse(e.body())
                 else:
                     if body.stream_options and body.stream_options.include_usage:
                         yield _sse({**head, "choices": [], "usage": usage(n)})
-                yield _sse("[DONE]")
+                yield "data: [DONE]\n\n"
 
             # runs once the stream ends, also when the client hung up: then it frees the request
             return StreamingResponse(events(), media_type="text/event-stream",
@@ -398,10 +411,7 @@ def build_app(engine, tokenizer: Tokenizer | None, model_name: str, api_key: str
         async def collect():
             return [piece async for piece in pieces]
 
-        try:
-            collected = await until_disconnected(http, collect())
-        except EngineFailure as e:
-            raise APIError(500, str(e)) from None
+        collected = await until_disconnected(http, collect())  # a failed step's APIError raises through
         if collected is None:
             engine_thread.abort(stream)
             return Response(status_code=499)
@@ -409,24 +419,6 @@ def build_app(engine, tokenizer: Tokenizer | None, model_name: str, api_key: str
         return {**head, "choices": [choice("".join(texts), list(tokens), reasons[-1])], "usage": usage(len(tokens))}
 
     return app
-
-
-async def _pieces(stream: Stream, event, detokenizer: Detokenizer, engine_thread: EngineThread):
-    """-> (text, token, finish_reason) per token, finish_reason set on the last; raises EngineFailure."""
-    while True:
-        if isinstance(event, EngineFailure):
-            raise event
-        token, reason = event
-        text, stopped = detokenizer.push(token)
-        if stopped:
-            engine_thread.abort(stream)
-            yield text, token, "stop"
-            return
-        if reason:
-            yield text + detokenizer.held, token, reason
-            return
-        yield text, token, None
-        event = await stream.events.get()
 
 
 # ---- the command line ------------------------------------------------------------------------
