@@ -15,13 +15,11 @@ It takes one output length for all requests, so it gets the mean of theirs; both
 the tokens they actually produced.
 """
 
-import argparse
-import sys
 import time
 
 import torch
 
-from nano.generate import UsageError, add_engine_args, engine_from_args, resolve_model_or_shape
+from nano.generate import ArgumentParser, add_engine_args, cli, engine_from_args, resolve_model_or_shape
 from nano.sampling import SamplingParams
 
 
@@ -66,8 +64,8 @@ def run_hf_peer(model_dir, requests, dtype, device) -> tuple[int, float]:
     return sum(len(out.generated_tokens) for out in outputs.values()), seconds
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m nano.bench_throughput", description=__doc__.split("\n")[0])
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="python -m nano.bench_throughput", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="llama-3-8b", help="model folder or shipped shape")
     p.add_argument("--load-format", choices=["safetensors", "dummy"], default=None,
                    help="dummy: random weights in the real shapes (default for a shipped shape)")
@@ -77,11 +75,11 @@ def main(argv=None):
     p.add_argument("--peer-prompts", type=int, default=64, help="requests for the HF peer (0: no peer)")
     p.add_argument("--seed", type=int, default=0)
     add_engine_args(p)
-    args = p.parse_args(argv)
-    try:
-        engine = engine_from_args(args, model_dir := resolve_model_or_shape(args))
-    except (UsageError, ValueError) as e:
-        sys.exit(f"error: {e}")
+    return p
+
+
+def run(args):
+    engine = engine_from_args(args, model_dir := resolve_model_or_shape(args))
     requests = random_requests(args.num_prompts, args.input_len, args.output_len, engine.cfg.vocab_size, args.seed)
     run_nano(engine, random_requests(4, (16, 64), (4, 8), engine.cfg.vocab_size, args.seed + 1))  # warm-up
     for key in engine.stats:
@@ -101,6 +99,10 @@ def main(argv=None):
         print(f"HF transformers generate_batch: {len(peer_requests)} requests, {peer_tokens} output tokens in "
               f"{peer_seconds:.2f} s = {peer_tokens / peer_seconds:,.0f} output tok/s")
         print(f"nano / HF: {(tokens / seconds) / (peer_tokens / peer_seconds):.2f}x")
+
+
+def main(argv=None):
+    cli(build_parser, run, argv)
 
 
 if __name__ == "__main__":

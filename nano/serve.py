@@ -46,7 +46,7 @@ from starlette.exceptions import HTTPException
 
 from nano.config import load_config
 from nano.engine import Request
-from nano.generate import ArgumentParser, UsageError, add_engine_args, engine_from_args, one_line_errors, resolve_model_or_shape
+from nano.generate import ArgumentParser, UsageError, add_engine_args, cli, engine_from_args, resolve_model_or_shape
 from nano.sampling import SamplingParams
 from nano.tokenizer import StreamDecoder, Tokenizer
 
@@ -422,7 +422,7 @@ def build_app(engine, tokenizer: Tokenizer | None, model_name: str, api_key: str
 
 
 # ---- the command line ------------------------------------------------------------------------
-def main(argv=None):
+def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog="python -m nano.serve", description=__doc__.split("\n")[0])
     p.add_argument("--model", help="HF model folder, or a shipped shape name with --load-format dummy")
     p.add_argument("--load-format", choices=["safetensors", "dummy"], default=None,
@@ -432,23 +432,20 @@ def main(argv=None):
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every endpoint but /health")
     add_engine_args(p)
-    try:
-        args = p.parse_args(argv)
-        model_dir = resolve_model_or_shape(args)
-        vocab_size = load_config(model_dir).vocab_size
-        tokenizer_dir = args.tokenizer or model_dir
-        tokenizer = Tokenizer(tokenizer_dir) if args.tokenizer or (model_dir / "tokenizer.json").is_file() else None
-        if tokenizer is None:
-            print("no tokenizer: /v1/completions takes token-id prompts only (see --tokenizer)", file=sys.stderr)
-        elif tokenizer.vocab_size > vocab_size:
-            raise UsageError(f"the tokenizer in {tokenizer_dir} has {tokenizer.vocab_size} tokens; "
-                             f"the model's vocabulary only {vocab_size}")
-        engine = engine_from_args(args, model_dir)
-    except one_line_errors() as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        sys.exit(130)
+    return p
+
+
+def run(args):
+    model_dir = resolve_model_or_shape(args)
+    vocab_size = load_config(model_dir).vocab_size
+    tokenizer_dir = args.tokenizer or model_dir
+    tokenizer = Tokenizer(tokenizer_dir) if args.tokenizer or (model_dir / "tokenizer.json").is_file() else None
+    if tokenizer is None:
+        print("no tokenizer: /v1/completions takes token-id prompts only (see --tokenizer)", file=sys.stderr)
+    elif tokenizer.vocab_size > vocab_size:
+        raise UsageError(f"the tokenizer in {tokenizer_dir} has {tokenizer.vocab_size} tokens; "
+                         f"the model's vocabulary only {vocab_size}")
+    engine = engine_from_args(args, model_dir)
     app = build_app(engine, tokenizer, model_dir.name, args.api_key)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
     # uvicorn handles SIGINT/SIGTERM itself (a graceful shutdown), then re-raises the signal into
@@ -456,6 +453,10 @@ def main(argv=None):
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     server.run()
+
+
+def main(argv=None):
+    cli(build_parser, run, argv)  # one-line errors, exit 2; Ctrl-C while loading exits 130
 
 
 if __name__ == "__main__":
