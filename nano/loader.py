@@ -99,13 +99,16 @@ def _fill_random(model: CausalLM, shard_of, seed: int):
     with _progress(model, "random weights") as bar:
         for name, (param, index) in model.checkpoint_layout().items():
             target, shard = param.data[index], shard_of(name)
-            full = torch.empty(_full_shape(target, shard), dtype=target.dtype, device=device)
+            # a sharded tensor is drawn whole, then its block copied in; an unsharded one in place
+            full = target if shard is None else torch.empty(_full_shape(target, shard), dtype=target.dtype,
+                                                            device=device)
             gen = torch.Generator(device).manual_seed(seed + zlib.crc32(name.encode()))
             if name.endswith("norm.weight"):
                 full.uniform_(0.9, 1.1, generator=gen)
             else:
                 full.normal_(0, 0.02, generator=gen)
-            target.copy_(full[_block(shard, full.shape)])
+            if shard is not None:
+                target.copy_(full[_block(shard, full.shape)])
             bar.update(target.nbytes)
 
 
