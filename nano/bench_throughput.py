@@ -88,8 +88,9 @@ def run(args):
     s = engine.stats
     print(f"nano: {len(requests)} requests, {sum(len(r) for r, _ in requests)} input tokens, {tokens} output tokens "
           f"in {seconds:.2f} s = {tokens / seconds:,.0f} output tok/s "
-          f"(prefill {s['prefill_s']:.2f} s at {s['prefill_tokens'] / max(s['prefill_s'], 1e-9):,.0f} tok/s, "
-          f"decode {s['decode_s']:.2f} s at {s['decode_tokens'] / max(s['decode_s'], 1e-9):,.0f} tok/s)", flush=True)
+          f"(prefill {s['prefill_s']:.2f} s in {s['prefill_steps']} steps at "
+          f"{s['prefill_tokens'] / max(s['prefill_s'], 1e-9):,.0f} tok/s, decode {s['decode_s']:.2f} s in "
+          f"{s['decode_steps']} steps at {s['decode_tokens'] / max(s['decode_s'], 1e-9):,.0f} tok/s)", flush=True)
     if args.peer_prompts and engine.device.type == "cuda":
         del engine
         torch.cuda.empty_cache()

@@ -87,7 +87,7 @@ class Request:
 class Engine:
     def __init__(self, model_dir, device="cpu", dtype=torch.float32, attention_backend="torch",
                  load_format="safetensors", mem_fraction=0.85, max_total_tokens=None, max_requests=256,
-                 context_length=None, use_mla=True, cuda_graph=False, cuda_graph_max_bs=160,
+                 context_length=None, use_mla=True, cuda_graph=False, cuda_graph_max_bs=None,
                  max_prefill_tokens=16384, radix_cache=True, chunked_prefill_size=8192, tp_size=1, seed=0, log=True,
                  tp_group: TensorParallel | None = None):
         # the other tensor-parallel ranks build their engines from these same arguments
@@ -142,8 +142,8 @@ class Engine:
         if cuda_graph:
             from nano.cuda_graph_runner import CudaGraphRunner
 
-            self.graph_runner = CudaGraphRunner(self.model, self.attn, min(cuda_graph_max_bs, max_requests),
-                                                self.device, log)
+            max_bs = min(cuda_graph_max_bs or max_requests, max_requests)  # default: every batch it can run
+            self.graph_runner = CudaGraphRunner(self.model, self.attn, max_bs, self.device, log)
 
         self.max_prefill_tokens, self.chunked_prefill_size = max_prefill_tokens, chunked_prefill_size
         self.waiting: deque[Request] = deque()
@@ -151,7 +151,8 @@ class Engine:
         self.chunked: Request | None = None  # the request whose prompt is part-way through prefill
         self.decode_owed = False  # the last step left a prompt part-way: decode the running ones next
         self.next_rid = 0
-        self.stats = dict(prefill_s=0.0, prefill_tokens=0, cached_tokens=0, decode_s=0.0, decode_tokens=0)
+        self.stats = dict(prefill_s=0.0, prefill_steps=0, prefill_tokens=0, cached_tokens=0,
+                          decode_s=0.0, decode_steps=0, decode_tokens=0)
 
     def _print(self, msg):
         if self.log:
@@ -211,6 +212,7 @@ class Engine:
         kind, events = ("prefill", self._prefill(chunks)) if chunks else ("decode", self._decode())
         # sampling ended with a host copy of the tokens, so the clock reads finished GPU work
         self.stats[kind + "_s"] += time.perf_counter() - started
+        self.stats[kind + "_steps"] += 1
         if kind == "decode":
             self.stats["decode_tokens"] += len(events)
         return events

@@ -20,7 +20,6 @@ from pathlib import Path
 
 SHIPPED_CONFIGS = Path(__file__).parent / "configs"  # config.json of known shapes, for benchmarks
 SHAPES = sorted(d.name for d in SHIPPED_CONFIGS.iterdir())
-CUDA_GRAPH_MAX_BS = 160
 
 EXAMPLES = """examples:
   python -m nano.generate --prompt "What is the capital of France?"
@@ -90,7 +89,7 @@ def add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--disable-mla", action="store_true", help="DeepSeek: plain multi-head attention, expanded K/V")
     p.add_argument("--disable-cuda-graph", action="store_true", help="decode without CUDA graphs on GPU")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None,
-                   help=f"largest decode batch captured as a CUDA graph (default {CUDA_GRAPH_MAX_BS})")
+                   help="largest decode batch captured as a CUDA graph (default: --max-running-requests)")
     p.add_argument("--disable-radix-cache", action="store_true", help="compute every prompt in full")
     p.add_argument("--chunked-prefill-size", type=int, default=8192,
                    help="most prompt tokens one prefill step computes; longer prompts take several (0 or -1: off)")
@@ -177,7 +176,7 @@ def engine_from_args(args, model_dir: Path):
         model_dir, device=device, dtype=dtype, attention_backend=backend,
         load_format=args.load_format, mem_fraction=args.mem_fraction, max_total_tokens=args.max_total_tokens,
         max_requests=args.max_running_requests, context_length=args.context_length,
-        use_mla=not args.disable_mla, cuda_graph=cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs or CUDA_GRAPH_MAX_BS,
+        use_mla=not args.disable_mla, cuda_graph=cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
         radix_cache=not args.disable_radix_cache, chunked_prefill_size=args.chunked_prefill_size,
         tp_size=args.tp_size,
     )
