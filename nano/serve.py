@@ -1,15 +1,19 @@
 """An OpenAI-compatible HTTP server: `python -m nano.serve --model DIR --port 30000`.
 
 Serving puts the engine (engine.py) behind a web API that many clients call at once. Two loops
-meet here:
-- the engine loop runs on a thread of its own and never waits on the network: between steps it
-  takes new requests and aborts from a thread-safe inbox, runs one step, and hands the step's new
-  tokens to the HTTP side in one batch (`loop.call_soon_threadsafe`);
+meet here, each in a process of its own:
+- the engine loop (`run_engine`) never waits on the network: between steps it takes new requests
+  and aborts from its inbox, runs one step, and sends the step's new tokens back in one message;
 - the HTTP side is an asyncio event loop (FastAPI on uvicorn) with one coroutine per request: it
   turns tokens into text, cuts the text where a stop string begins, and answers with one JSON
   body, or with Server-Sent Events (`data: {json}` lines ending with `data: [DONE]`), one event
   per token so a client can time every token.
-A `Stream` per request joins the two: its prompt and settings go in, its events come back.
+Why two processes: in one, the two loops would share Python's interpreter lock. Under load the
+HTTP side spends tens of microseconds of Python on every token of every stream, thousands of
+tokens a second, and each of those the engine would wait for, with the GPU idle between its
+steps. Apart, each has a core. `EngineClient` is the HTTP side's handle on the engine: it
+forwards requests to the inbox, and a reader thread hands each step's tokens to the event loop
+(`loop.call_soon_threadsafe`), where a `Stream` per request receives them.
 
 Every request gets an answer, and no request can take the server down. Bad input is a 400 with
 OpenAI's error JSON; a step that raises fails the requests it was running with a 500 and the loop
@@ -23,6 +27,8 @@ takes token-id prompts and still says what it generated.
 
 import asyncio
 import json
+import multiprocessing
+import os
 import queue
 import secrets
 import signal
@@ -45,8 +51,8 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from nano.config import load_config
-from nano.engine import Request
-from nano.generate import ArgumentParser, UsageError, add_engine_args, cli, engine_from_args, resolve_model_or_shape
+from nano.generate import (ArgumentParser, UsageError, add_engine_args, cli, engine_from_args, one_line_errors,
+                           resolve_model_or_shape)
 from nano.sampling import SamplingParams
 from nano.tokenizer import StreamDecoder, Tokenizer
 
@@ -55,10 +61,11 @@ DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completion
 
 
 class APIError(Exception):
-    """An error as the client gets it, in OpenAI's error JSON (the engine thread sends one to each
-    request of a step that failed)."""
+    """An error as the client gets it, in OpenAI's error JSON (the engine loop sends one to a
+    request it refuses, 400, and to each request of a step that failed, 500)."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(status, message, param, code)  # the arguments again: how an exception is pickled
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict:
@@ -66,86 +73,169 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
+# ---- the engine's side ------------------------------------------------------------------------
+def engine_state(engine) -> dict:
+    """What /health shows: KV slots free, or holding cached prefixes (evictable unless a running
+    request locks them); requests; the engine's seconds and tokens of prefill and decode so far."""
+    cache = engine.prefix_cache
+    return {"total_slots": engine.kv_pool.num_slots - 1, "free_slots": engine.slots.available,
+            "cached_slots": cache.size if cache else 0, "locked_slots": cache.locked_size if cache else 0,
+            "running": len(engine.running), "waiting": len(engine.waiting), "engine": dict(engine.stats)}
+
+
+def run_engine(engine, inbox, outbox):
+    """The engine loop. It first sends ("ready", facts the HTTP side needs). Then it takes
+    ("add", stream id, prompt ids, params, stop ids), ("abort", stream id) or None (stop) from the
+    inbox, and after each round of them, and each step, sends (events, engine_state) with events
+    [(stream id, (token, finish_reason or None) or APIError)]. It sleeps in the inbox while idle."""
+    outbox.put(("ready", {"vocab_size": engine.cfg.vocab_size, "eos_token_ids": engine.cfg.eos_token_ids,
+                          "context_length": engine.context_length, "state": engine_state(engine)}))
+    requests = {}  # stream id -> the engine's request, while the engine holds it
+    while True:
+        messages = [] if engine.has_work() else [inbox.get()]
+        while True:  # and whatever else has arrived since the last step
+            try:
+                messages.append(inbox.get_nowait())
+            except queue.Empty:
+                break
+        events = []
+        for message in messages:
+            if message is None:
+                outbox.put(None)
+                return
+            kind, sid, *request = message
+            if kind == "add":
+                try:
+                    requests[sid] = engine.add_request(*request)
+                except ValueError as e:
+                    events.append((sid, APIError(400, str(e))))
+            elif sid in requests:  # an abort of a request that is not done yet
+                engine.abort(requests.pop(sid))
+        if engine.has_work():
+            events += _step(engine, requests)
+        outbox.put((events, engine_state(engine)))
+
+
+def _step(engine, requests: dict) -> list:
+    by_rid = {req.rid: sid for sid, req in requests.items()}
+    try:
+        out = engine.step()
+    except Exception as e:  # a bug or a device error: fail what the step ran, keep serving
+        traceback.print_exc()
+        # every admitted request may have been in the failed pass (running ones, a prompt part-way,
+        # prompts being prefilled); waiting ones were not touched and stay queued
+        failed = [sid for sid, req in requests.items() if req.row >= 0]
+        error = APIError(500, f"the engine failed on this request ({type(e).__name__}); see the server log")
+        for sid in failed:
+            engine.abort(requests.pop(sid))
+        return [(sid, error) for sid in failed]
+    events = []
+    for req, token in out:
+        sid = by_rid[req.rid]
+        if req.finished:
+            del requests[sid]
+        reason = None if not req.finished else "stop" if token in req.stop_ids else "length"
+        events.append((sid, (token, reason)))
+    return events
+
+
+def _engine_process(args, model_dir, inbox, outbox):
+    """The engine process: build the engine (a failure goes back as one line), then run its loop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every process; the server decides
+    parent = multiprocessing.parent_process()
+    threading.Thread(target=lambda: (parent.join(), os._exit(1)), daemon=True).start()  # never outlive it
+    try:
+        engine = engine_from_args(args, model_dir)
+    except one_line_errors() as e:
+        outbox.put(("error", str(e)))
+        return
+    run_engine(engine, inbox, outbox)
+    engine.close()
+
+
+# ---- the HTTP side's handle on it -----------------------------------------------------------------
 @dataclass
 class Stream:
-    """One request on its way through the engine thread. `events` receives a ValueError if the
-    engine refuses the request, else one (token, finish_reason) per token, finish_reason None until
-    the last; or an APIError (500) if a step fails on it."""
+    """One request as the HTTP side follows it: `events` receives one (token, finish_reason) per
+    token, finish_reason None until the last, or one APIError (refused, or a step failed on it)."""
     prompt_ids: list[int]
     params: SamplingParams
     stop_ids: set[int]
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    request: Request | None = None  # the engine's, set and read on the engine thread only
+    sid: int = -1  # its id in the engine loop's messages
 
 
-class EngineThread:
-    def __init__(self, engine, loop: asyncio.AbstractEventLoop):
-        self.engine, self.loop = engine, loop
-        self.inbox = queue.SimpleQueue()  # (self._add or self._abort, stream), or (None, None) to stop
-        self.streams: dict[int, Stream] = {}  # rid -> stream, while the engine holds the request
-        self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
-        self.thread.start()
+class EngineClient:
+    def __init__(self, inbox, outbox, worker):
+        """inbox, outbox: run_engine's; worker: the process (or, in tests, thread) that runs it."""
+        self.inbox, self.outbox, self.worker = inbox, outbox, worker
+        while True:  # the engine loop's first message, once the engine is built
+            try:
+                kind, facts = outbox.get(timeout=1)
+                break
+            except queue.Empty:
+                if not worker.is_alive():
+                    raise UsageError("the engine process died while starting (its error is above)") from None
+        if kind == "error":
+            raise UsageError(facts)
+        self.vocab_size, self.eos_token_ids = facts["vocab_size"], facts["eos_token_ids"]
+        self.context_length, self.state = facts["context_length"], facts["state"]
+        self.streams: dict[int, Stream] = {}  # by stream id, until their last event (event loop only)
+        self.next_sid = 0
+
+    def start(self, loop: asyncio.AbstractEventLoop):
+        """Deliver the engine's events on `loop` from now on."""
+        self.loop = loop
+        self.reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
+        self.reader.start()
 
     def submit(self, stream: Stream):
-        self.inbox.put((self._add, stream))
+        if not self.worker.is_alive():
+            raise APIError(503, "the engine has stopped; see the server log")
+        stream.sid, self.next_sid = self.next_sid, self.next_sid + 1
+        self.streams[stream.sid] = stream
+        self.inbox.put(("add", stream.sid, stream.prompt_ids, stream.params, stream.stop_ids))
 
     def abort(self, stream: Stream):
-        self.inbox.put((self._abort, stream))  # a no-op for a request that is done already
+        self.inbox.put(("abort", stream.sid))  # a no-op for a request that is done already
 
     def stop(self):
-        self.inbox.put((None, None))
-        self.thread.join()
+        self.inbox.put(None)
+        self.reader.join()
+        self.worker.join()
 
-    def _run(self):
+    def _read(self):
         while True:
-            # sleep while idle; while busy take whatever has arrived between two steps
-            messages = [] if self.engine.has_work() else [self.inbox.get()]
-            while not self.inbox.empty():
-                messages.append(self.inbox.get())
-            for action, stream in messages:
-                if action is None:
-                    return
-                action(stream)  # on this thread: only it touches the engine
-            if self.engine.has_work():
-                self._step()
+            try:
+                message = self.outbox.get(timeout=1)
+            except queue.Empty:
+                if self.worker.is_alive():
+                    continue
+                error = APIError(500, "the engine process exited; see the server log")  # a crash: fail what is left
+                message = [(sid, error) for sid in list(self.streams)], self.state
+            if message is None:
+                return
+            events, self.state = message
+            self.loop.call_soon_threadsafe(self._deliver, events)
 
-    def _add(self, stream: Stream):
-        try:
-            stream.request = self.engine.add_request(stream.prompt_ids, stream.params, stream.stop_ids)
-        except ValueError as e:
-            self.loop.call_soon_threadsafe(_deliver, [(stream, e)])
-            return
-        self.streams[stream.request.rid] = stream
-
-    def _abort(self, stream: Stream):
-        if stream.request is not None and self.streams.pop(stream.request.rid, None):
-            self.engine.abort(stream.request)
-
-    def _step(self):
-        try:
-            events = self.engine.step()
-        except Exception as e:  # a bug or a device error: fail what the step ran, keep serving
-            traceback.print_exc()
-            # every admitted request may have been in the failed pass (running ones, a prompt part-way,
-            # prompts being prefilled); waiting ones were not touched and stay queued
-            failed = [stream for stream in self.streams.values() if stream.request.row >= 0]
-            for stream in failed:
-                self._abort(stream)
-            message = f"the engine failed on this request ({type(e).__name__}); see the server log"
-            self.loop.call_soon_threadsafe(_deliver, [(stream, APIError(500, message)) for stream in failed])
-            return
-        out = []
-        for req, token in events:
-            if req.finished:
-                out.append((self.streams.pop(req.rid), (token, "stop" if token in req.stop_ids else "length")))
-            else:
-                out.append((self.streams[req.rid], (token, None)))
-        self.loop.call_soon_threadsafe(_deliver, out)
+    def _deliver(self, events: list):
+        for sid, event in events:
+            last = isinstance(event, APIError) or event[1] is not None
+            stream = self.streams.pop(sid, None) if last else self.streams.get(sid)
+            if stream is not None:
+                stream.events.put_nowait(event)
 
 
-def _deliver(events: list[tuple[Stream, object]]):
-    for stream, event in events:
-        stream.events.put_nowait(event)
+def start_engine_process(args, model_dir) -> EngineClient:
+    spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: CUDA cannot cross a fork
+    inbox, outbox = spawn.Queue(), spawn.Queue()
+    process = spawn.Process(target=_engine_process, args=(args, model_dir, inbox, outbox), name="nano-engine")
+    process.start()
+    try:
+        return EngineClient(inbox, outbox, process)
+    except BaseException:  # its one-line error, or Ctrl-C while it loads: it will not be needed
+        process.terminate()
+        raise
 
 
 class Detokenizer:
@@ -169,7 +259,7 @@ class Detokenizer:
         return text[: len(text) - held], False
 
 
-async def _pieces(stream: Stream, event, detokenizer: Detokenizer, engine_thread: EngineThread):
+async def _pieces(stream: Stream, event, detokenizer: Detokenizer, engine: EngineClient):
     """-> (text, token, finish_reason) per token, finish_reason set on the last; raises the APIError
     of a failed step."""
     while True:
@@ -178,7 +268,7 @@ async def _pieces(stream: Stream, event, detokenizer: Detokenizer, engine_thread
         token, reason = event
         text, stopped = detokenizer.push(token)
         if stopped:
-            engine_thread.abort(stream)
+            engine.abort(stream)
             yield text, token, "stop"
             return
         if reason:
@@ -269,14 +359,14 @@ def _sse(data: dict) -> str:
 
 
 # ---- the app ---------------------------------------------------------------------------------
-def build_app(engine, tokenizer: Tokenizer | None, model_name: str, api_key: str | None = None) -> FastAPI:
-    stop_ids = set(engine.cfg.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
+def build_app(engine: EngineClient, tokenizer: Tokenizer | None, model_name: str, api_key: str | None = None) -> FastAPI:
+    stop_ids = set(engine.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
 
     @asynccontextmanager
-    async def lifespan(app):  # the engine thread needs the event loop, which runs from here on
-        app.state.engine_thread = EngineThread(engine, asyncio.get_running_loop())
+    async def lifespan(app):  # the engine's events need the event loop, which runs from here on
+        engine.start(asyncio.get_running_loop())
         yield
-        app.state.engine_thread.stop()
+        engine.stop()
 
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -300,15 +390,12 @@ def build_app(engine, tokenizer: Tokenizer | None, model_name: str, api_key: str
     @app.get("/health")
     async def health():
         # KV slots: free, or holding cached prefixes (evictable unless a running request locks them)
-        cache = engine.prefix_cache
-        return {"status": "ok", "total_slots": engine.kv_pool.num_slots - 1, "free_slots": engine.slots.available,
-                "cached_slots": cache.size if cache else 0, "locked_slots": cache.locked_size if cache else 0,
-                "running": len(engine.running), "waiting": len(engine.waiting)}
+        return {"status": "ok", **engine.state}  # as of the engine's last message (engine_state)
 
     @app.get("/v1/models", dependencies=authorized)
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "nano",
-                                            "max_model_len": engine.context_length, "vocab_size": engine.cfg.vocab_size}]}
+                                            "max_model_len": engine.context_length, "vocab_size": engine.vocab_size}]}
 
     @app.post("/v1/completions", dependencies=authorized)
     async def completions(http: HTTPRequest):
@@ -316,8 +403,8 @@ def build_app(engine, tokenizer: Tokenizer | None, model_name: str, api_key: str
         if not body.prompt:
             raise APIError(400, "prompt is empty", param="prompt")
         if isinstance(body.prompt, list):
-            if not all(0 <= t < engine.cfg.vocab_size for t in body.prompt):
-                raise APIError(400, f"prompt token ids must be in [0, {engine.cfg.vocab_size})", param="prompt")
+            if not all(0 <= t < engine.vocab_size for t in body.prompt):
+                raise APIError(400, f"prompt token ids must be in [0, {engine.vocab_size})", param="prompt")
             prompt_ids = body.prompt
         else:
             prompt_ids = need_tokenizer("a text prompt").encode_prompt(body.prompt, use_chat_template=False)
@@ -361,18 +448,18 @@ def build_app(engine, tokenizer: Tokenizer | None, model_name: str, api_key: str
         params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
                                 max_new_tokens=max_tokens or (engine.context_length if chat else DEFAULT_COMPLETION_TOKENS),
                                 ignore_eos=body.ignore_eos)
-        stream, engine_thread = Stream(prompt_ids, params, stop_ids), app.state.engine_thread
-        engine_thread.submit(stream)
+        stream = Stream(prompt_ids, params, stop_ids)
+        engine.submit(stream)
         # the first event decides the status: a refusal is a 400, before any response has started
         first = await until_disconnected(http, stream.events.get())
         if first is None:
-            engine_thread.abort(stream)
+            engine.abort(stream)
             return Response(status_code=499)  # nobody is listening (nginx's code for it)
-        if isinstance(first, ValueError):
-            raise APIError(400, str(first))
+        if isinstance(first, APIError):  # refused: a 400
+            raise first
         stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
         # chat output starts a new message; a completion continues its prompt's text
-        pieces = _pieces(stream, first, Detokenizer(tokenizer, [] if chat else prompt_ids, stop), engine_thread)
+        pieces = _pieces(stream, first, Detokenizer(tokenizer, [] if chat else prompt_ids, stop), engine)
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": model_name, "object": "text_completion"}
         if chat:
@@ -406,14 +493,14 @@ def build_app(engine, tokenizer: Tokenizer | None, model_name: str, api_key: str
 
             # runs once the stream ends, also when the client hung up: then it frees the request
             return StreamingResponse(events(), media_type="text/event-stream",
-                                     background=BackgroundTask(engine_thread.abort, stream))
+                                     background=BackgroundTask(engine.abort, stream))
 
         async def collect():
             return [piece async for piece in pieces]
 
         collected = await until_disconnected(http, collect())  # a failed step's APIError raises through
         if collected is None:
-            engine_thread.abort(stream)
+            engine.abort(stream)
             return Response(status_code=499)
         texts, tokens, reasons = zip(*collected)
         return {**head, "choices": [choice("".join(texts), list(tokens), reasons[-1])], "usage": usage(len(tokens))}
@@ -445,14 +532,17 @@ def run(args):
     elif tokenizer.vocab_size > vocab_size:
         raise UsageError(f"the tokenizer in {tokenizer_dir} has {tokenizer.vocab_size} tokens; "
                          f"the model's vocabulary only {vocab_size}")
-    engine = engine_from_args(args, model_dir)
+    engine = start_engine_process(args, model_dir)
     app = build_app(engine, tokenizer, model_dir.name, args.api_key)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
     # uvicorn handles SIGINT/SIGTERM itself (a graceful shutdown), then re-raises the signal into
     # the handlers it found: make those no-ops, so a requested shutdown exits 0
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    server.run()
+    try:
+        server.run()  # its shutdown stops the engine loop (lifespan)
+    finally:
+        engine.worker.terminate()  # a no-op once it has stopped; else (uvicorn failed) it ends here
 
 
 def main(argv=None):

@@ -7,6 +7,7 @@ import asyncio
 import http.client
 import json
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -25,7 +26,7 @@ uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("fastapi")
 
 from nano.engine import Engine  # noqa: E402
-from nano.serve import MAX_BODY_BYTES, build_app  # noqa: E402
+from nano.serve import MAX_BODY_BYTES, EngineClient, build_app, run_engine  # noqa: E402
 from nano.tokenizer import Tokenizer  # noqa: E402
 from tests.helpers import run_cli, save_tiny_chat_model  # noqa: E402
 
@@ -303,9 +304,14 @@ def test_engine_exception_fails_its_requests_with_500_and_serving_goes_on(tiny_m
         return real_model(batch, attn)
 
     monkeypatch.setattr(engine, "model", model)
+    # the engine loop on a thread of this process (the server runs it in its own process), so the
+    # fault above is in it
+    inbox, outbox = queue.Queue(), queue.Queue()
+    worker = threading.Thread(target=run_engine, args=(engine, inbox, outbox))
+    worker.start()
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, Tokenizer(tiny_model), "tiny"), port=port,
-                                           log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(build_app(EngineClient(inbox, outbox, worker), Tokenizer(tiny_model), "tiny"),
+                                           port=port, log_level="warning"))
     thread = threading.Thread(target=server.run)
     thread.start()
     while not server.started:
