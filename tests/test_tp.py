@@ -138,16 +138,20 @@ def _random_prompts(n, vocab, seed):
 def test_graphs_match_eager_at_tp2(shape):
     """The graph test of test_cuda_graph_runner at tensor parallelism 2, with the NCCL all-reduce
     inside the graphs: 13 requests shrinking through padded sizes 16, 8, 4, 2, 1, then 5 of them
-    again. Greedy tokens with graphs must equal eager decoding exactly. With two ranks an
-    all-reduce is one addition, exact in any order, so padding changes nothing there either."""
+    again; before them, 16 requests that stay 16, so no step is padded (which tells a padding
+    effect from a graph one). Greedy tokens with graphs must equal eager decoding exactly. With two
+    ranks an all-reduce is one addition, exact in any order, so padding changes nothing there either."""
     prompts = _random_prompts(13, 32000, seed=0)
     params = [SamplingParams(max_new_tokens=4 + 3 * i, ignore_eos=True) for i in range(13)]
     runs = {}
     for mode in ("graphs", "eager"):
         engine = Engine(SHIPPED_CONFIGS / shape, device="cuda", dtype=torch.bfloat16, attention_backend="triton",
                         load_format="dummy", max_total_tokens=8192, max_requests=32, cuda_graph=mode == "graphs",
-                        cuda_graph_max_bs=32, tp_size=2, log=False)
+                        cuda_graph_max_bs=32, tp_size=2, radix_cache=False, log=False)
         try:
+            # first 16 requests that stay 16 to the end: a graph size, so no step is padded
+            runs[mode + ", unpadded"] = engine.generate(_random_prompts(16, 32000, seed=1),
+                                                        SamplingParams(max_new_tokens=8, ignore_eos=True))
             runs[mode] = engine.generate(prompts, params)
             runs[mode + ", 5 requests"] = engine.generate(prompts[:5], params[:5])
         finally:
@@ -155,7 +159,10 @@ def test_graphs_match_eager_at_tp2(shape):
         del engine
         gc.collect()  # the split model refers to itself (tp.py's embed and logits): free it before the next
         torch.cuda.empty_cache()
-    same = sum(a == b for a, b in zip(runs["graphs"], runs["eager"]))
-    print(f"{shape} at tp 2: {same}/13 requests identical with graphs and eager")
+    for case in ("unpadded", None):
+        graphs, eager = (runs[f"{mode}, {case}" if case else mode] for mode in ("graphs", "eager"))
+        same = sum(a == b for a, b in zip(graphs, eager))
+        print(f"{shape} at tp 2, {case or 'padded'}: {same}/{len(graphs)} requests identical with graphs and eager")
+    assert runs["graphs, unpadded"] == runs["eager, unpadded"]
     assert runs["graphs"] == runs["eager"]
     assert runs["graphs, 5 requests"] == runs["eager, 5 requests"]
