@@ -7,7 +7,7 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/nano_out}; mkdir -p "$OUT"
-parts="${*:-tests bench-llama bench-deepseek bench-attention profile throughput tune-moe prefix}"
+parts="${*:-tests bench-llama bench-deepseek bench-attention profile throughput serve tune-moe prefix}"
 want() { [[ " $parts " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
@@ -23,6 +23,11 @@ if want profile; then
   done 2>&1 | tee "$OUT/profile.log"
 fi
 want throughput && python3 -m nano.bench_throughput --model llama-3-8b --load-format dummy --num-prompts 256 2>&1 | tee "$OUT/throughput.log"
+if want serve; then  # the server against the engine alone on the same lengths (needs fastapi and uvicorn)
+  python3 -m nano.bench_throughput --model llama-3-8b --num-prompts 1000 --input-len 128 1024 --output-len 128 512 \
+    --peer-prompts 0 2>&1 | tee "$OUT/serve_offline.log"
+  OUT="$OUT/serve" NUM_PROMPTS_AT_RATE=200 SERVER_ARGS="--model llama-3-8b" bash scripts/serve_bench.sh rate-inf rate-4
+fi
 want tune-moe && python3 scripts/tune_fused_moe.py 2>&1 | tee "$OUT/tune_moe.log"
 if want prefix; then
   for model in llama-3-8b deepseek-v2-lite; do python3 scripts/prefix_bench.py --model $model; done 2>&1 | tee "$OUT/prefix.log"
