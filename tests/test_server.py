@@ -16,6 +16,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -28,7 +29,7 @@ pytest.importorskip("fastapi")
 from nano.engine import Engine  # noqa: E402
 from nano.serve import MAX_BODY_BYTES, EngineClient, build_app, run_engine  # noqa: E402
 from nano.tokenizer import Tokenizer  # noqa: E402
-from tests.helpers import run_cli, save_tiny_chat_model  # noqa: E402
+from tests.helpers import assert_one_line_error, run_cli, save_tiny_chat_model  # noqa: E402
 
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -290,6 +291,45 @@ def test_sigterm_finishes_the_request_in_flight_and_exits_0(tiny_model, tmp_path
         proc.kill()
     with pytest.raises(OSError):
         urllib.request.urlopen(url + "/health", timeout=5)
+
+
+def test_an_engine_that_cannot_start_is_one_line_and_exit_2(tiny_model):
+    """The engine is built in a process of its own; what stops it comes back as the usual one line."""
+    assert_one_line_error(run_cli("--model", str(tiny_model), "--max-total-tokens", "0", module="nano.serve"),
+                          "--max-total-tokens must be > 0")
+
+
+def child_pids(pid: int) -> list[int]:
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, ppid = stat.read_text().rsplit(")", 1)[1].split()[:2]
+        except OSError:  # gone meanwhile
+            continue
+        if int(ppid) == pid and state != "Z":
+            children.append(int(stat.parent.name))
+    return children
+
+
+def is_running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_the_engine_process_ends_with_the_server(tiny_model, tmp_path):
+    """Killed outright, with no shutdown to run, the server leaves no process behind holding the
+    model and the KV cache."""
+    proc, _ = start_server(tiny_model, tmp_path / "server.log")
+    children = child_pids(proc.pid)
+    assert children  # the engine's process (and multiprocessing's helper)
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 20
+    while any(is_running(pid) for pid in children):
+        assert time.time() < deadline, "a process outlived the server"
+        time.sleep(0.1)
 
 
 def test_engine_exception_fails_its_requests_with_500_and_serving_goes_on(tiny_model, monkeypatch):
