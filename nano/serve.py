@@ -197,6 +197,7 @@ class EngineClient:
         self.inbox.put(("add", stream.sid, stream.prompt_ids, stream.params, stream.stop_ids))
 
     def abort(self, stream: Stream):
+        self.streams.pop(stream.sid, None)  # its events stop here (the engine sends none for an abort)
         self.inbox.put(("abort", stream.sid))  # a no-op for a request that is done already
 
     def stop(self):
@@ -211,8 +212,10 @@ class EngineClient:
             except queue.Empty:
                 if self.worker.is_alive():
                     continue
-                error = APIError(500, "the engine process exited; see the server log")  # a crash: fail what is left
-                message = [(sid, error) for sid in list(self.streams)], self.state
+                # it crashed (a stop sends None first): fail what is left; submit() refuses from now on
+                error = APIError(500, "the engine process exited; see the server log")
+                self.loop.call_soon_threadsafe(self._deliver, [(sid, error) for sid in list(self.streams)])
+                return
             if message is None:
                 return
             events, self.state = message

@@ -16,6 +16,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -344,20 +345,8 @@ def test_engine_exception_fails_its_requests_with_500_and_serving_goes_on(tiny_m
         return real_model(batch, attn)
 
     monkeypatch.setattr(engine, "model", model)
-    # the engine loop on a thread of this process (the server runs it in its own process), so the
-    # fault above is in it
-    inbox, outbox = queue.Queue(), queue.Queue()
-    worker = threading.Thread(target=run_engine, args=(engine, inbox, outbox))
-    worker.start()
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(EngineClient(inbox, outbox, worker), Tokenizer(tiny_model), "tiny"),
-                                           port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    url, body = f"http://127.0.0.1:{port}", dict(prompt=[5, 6, 7], max_tokens=10, ignore_eos=True)
-    try:
+    body = dict(prompt=[5, 6, 7], max_tokens=10, ignore_eos=True)
+    with in_process_server(engine, Tokenizer(tiny_model)) as (url, client):
         passes["fail_at"] = passes["done"] + 1  # the prefill
         status, reply = call(url, "/v1/completions", body)
         assert status == 500 and reply["error"]["type"] == "server_error"
@@ -372,6 +361,51 @@ def test_engine_exception_fails_its_requests_with_500_and_serving_goes_on(tiny_m
         assert health["running"] == health["waiting"] == 0
         status, reply = call(url, "/v1/completions", body)
         assert status == 200 and reply["usage"]["completion_tokens"] == 10
+
+        # a client that hangs up mid-stream: its stream is forgotten at once, not kept waiting
+        # for events that will never come
+        connection = http.client.HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+        connection.request("POST", "/v1/completions", json.dumps({**body, "max_tokens": 4000, "stream": True}),
+                           {"Content-Type": "application/json"})
+        connection.getresponse().readline()
+        connection.close()
+        deadline = time.time() + 10
+        while client.streams or call(url, "/health")[1]["running"]:
+            assert time.time() < deadline, f"left behind: {client.streams}"
+            time.sleep(0.05)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the planted death
+def test_an_engine_that_dies_fails_what_it_held_and_what_comes_later(tiny_model, monkeypatch):
+    engine = Engine(tiny_model, max_total_tokens=10000, max_requests=8, log=False)
+
+    def step():
+        raise SystemExit  # the loop itself ends, as if the engine's process were killed
+
+    monkeypatch.setattr(engine, "step", step)
+    body = dict(prompt=[5, 6, 7], max_tokens=10)
+    with in_process_server(engine, None) as (url, _):
+        status, reply = call(url, "/v1/completions", body)  # the engine died with it
+        assert status == 500 and "engine process exited" in reply["error"]["message"]
+        status, reply = call(url, "/v1/completions", body)
+        assert status == 503 and reply["error"]["type"] == "server_error"
+
+
+@contextmanager
+def in_process_server(engine, tokenizer):
+    """The server in this process, its engine loop on a thread (`nano.serve` runs it in a process
+    of its own), so a test can plant a fault in the engine -> (url, the EngineClient)."""
+    inbox, outbox = queue.Queue(), queue.Queue()
+    worker = threading.Thread(target=run_engine, args=(engine, inbox, outbox))
+    worker.start()
+    client, port = EngineClient(inbox, outbox, worker), free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(client, tokenizer, "tiny"), port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}", client
     finally:
         server.should_exit = True
         thread.join()
