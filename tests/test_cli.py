@@ -191,11 +191,15 @@ def test_model_larger_than_memory_fails_at_once(tmp_path):
 
 @pytest.mark.parametrize("when", ["importing", "generating"])
 def test_ctrl_c_exits_130_without_traceback(smollm2_dir, when):
-    proc = subprocess.Popen([sys.executable, "-m", "nano.generate", "--model", str(smollm2_dir), "--prompt", "Count to 100.",
-                             "--max-new-tokens", "500", "--ignore-eos", "--max-total-tokens", "1024"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # -X importtime reports each import as it ends: the first torch submodule says `import torch`
+    # has begun, and it goes on for a second or more (a fixed wait could land before Python is up)
+    flags = ["-X", "importtime"] if when == "importing" else []
+    proc = subprocess.Popen([sys.executable, *flags, "-m", "nano.generate", "--model", str(smollm2_dir),
+                             "--prompt", "Count to 100.", "--max-new-tokens", "500", "--ignore-eos",
+                             "--max-total-tokens", "1024"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if when == "importing":
-        time.sleep(0.5)  # inside `import torch`, which takes longer than this
+        while "torch._utils" not in proc.stderr.readline():
+            assert proc.poll() is None, proc.stderr.read()
     else:
         while "prompt tokens" not in proc.stderr.readline():  # the engine is up and decoding
             assert proc.poll() is None, proc.stderr.read()
