@@ -67,7 +67,6 @@ for tokens in counts:
             continue  # the tiles do not fit this GPU's shared memory or registers
     results.sort(key=lambda r: r[0])
     now = layer_time(x, h, ids, weights, current)
-    best_ms, best = results[0]
     print(f"T={tokens:5d}: now {now * 1e3:7.1f} us ({gigabytes / now:5.2f} TB/s) {current}")
     if tokens <= 16:
         mv = matvec_time(x, h, ids)

@@ -300,23 +300,26 @@ def test_an_engine_that_cannot_start_is_one_line_and_exit_2(tiny_model):
                           "--max-total-tokens must be > 0")
 
 
+def state_and_parent(pid: int | str) -> tuple[str, int]:
+    """A process's state letter ("Z": exited, not yet reaped) and parent, from /proc; ("Z", 0) once gone."""
+    try:
+        state, ppid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:2]
+    except OSError:
+        return "Z", 0
+    return state, int(ppid)
+
+
 def child_pids(pid: int) -> list[int]:
     children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            state, ppid = stat.read_text().rsplit(")", 1)[1].split()[:2]
-        except OSError:  # gone meanwhile
-            continue
-        if int(ppid) == pid and state != "Z":
-            children.append(int(stat.parent.name))
+    for entry in Path("/proc").glob("[0-9]*"):
+        state, parent = state_and_parent(entry.name)
+        if parent == pid and state != "Z":
+            children.append(int(entry.name))
     return children
 
 
 def is_running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    return state_and_parent(pid)[0] != "Z"
 
 
 def test_the_engine_process_ends_with_the_server(tiny_model, tmp_path):
