@@ -1,5 +1,6 @@
 """Where a decode step's time goes: GPU kernels (torch profiler, CUDA graphs included) and the
-host's share of the step. Usage: python scripts/profile_decode.py MODEL_SHAPE [BATCH_SIZE]"""
+host's share of the step. Usage: python scripts/profile_decode.py MODEL_SHAPE [BATCH_SIZE] [TP_SIZE]
+(with tensor parallelism the profile is rank 0's)"""
 
 import sys
 import time
@@ -12,31 +13,41 @@ from nano.engine import Engine  # noqa: E402
 from nano.generate import SHIPPED_CONFIGS  # noqa: E402
 from nano.sampling import SamplingParams  # noqa: E402
 
-shape, bs = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1
-engine = Engine(SHIPPED_CONFIGS / shape, device="cuda", dtype=torch.bfloat16, attention_backend="triton",
-                load_format="dummy", max_total_tokens=bs * 200 + 1, max_requests=max(bs, 8), cuda_graph=True,
-                cuda_graph_max_bs=max(bs, 8), log=False)
-for _ in range(bs):
-    engine.add_request(list(range(10, 138)), SamplingParams(max_new_tokens=40, ignore_eos=True))
-engine.step()  # prefill
-for _ in range(5):
-    engine.step()
-torch.cuda.synchronize()
 
-# host time of one step, and GPU time of one graph replay alone
-times = []
-for _ in range(10):
-    t = time.perf_counter(); engine.step(); times.append(time.perf_counter() - t)
-graph = engine.graph_runner.graphs[bs]
-start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-start.record()
-for _ in range(20):
-    graph.replay()
-end.record(); torch.cuda.synchronize()
-print(f"{shape} bs={bs}: engine.step median {sorted(times)[5] * 1e3:.3f} ms; "
-      f"graph replay alone {start.elapsed_time(end) / 20:.3f} ms")
-
-with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+def main():
+    shape, bs = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1
+    tp = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+    engine = Engine(SHIPPED_CONFIGS / shape, device="cuda", dtype=torch.bfloat16, attention_backend="triton",
+                    load_format="dummy", max_total_tokens=bs * 200 + 1, max_requests=max(bs, 8), cuda_graph=True,
+                    cuda_graph_max_bs=max(bs, 8), tp_size=tp, log=False)
+    for _ in range(bs):
+        engine.add_request(list(range(10, 138)), SamplingParams(max_new_tokens=40, ignore_eos=True))
+    engine.step()  # prefill
     for _ in range(5):
         engine.step()
-print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
+    torch.cuda.synchronize()
+
+    # host time of one step, and GPU time of one graph replay alone
+    times = []
+    for _ in range(10):
+        t = time.perf_counter(); engine.step(); times.append(time.perf_counter() - t)
+    line = f"{shape} bs={bs} tp={tp}: engine.step median {sorted(times)[5] * 1e3:.3f} ms"
+    if tp == 1:  # a replay on one rank alone would wait forever in its all-reduces
+        graph = engine.graph_runner.graphs[bs]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            graph.replay()
+        end.record(); torch.cuda.synchronize()
+        line += f"; graph replay alone {start.elapsed_time(end) / 20:.3f} ms"
+    print(line)
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            engine.step()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
+    engine.close()
+
+
+if __name__ == "__main__":  # tp > 1 spawns ranks, which import this file
+    main()

@@ -5,7 +5,7 @@ On CPU (CI) the two ranks talk over gloo: the engine is rank 0 in the test proce
 itself. In float32 the split model must pick the same greedy tokens as the whole one, with logits
 within 1e-4 (the row-parallel all-reduce adds the partial sums in another order, nothing more).
 On two GPUs (skipped elsewhere) the ranks talk over NCCL, and greedy tokens with CUDA graphs, which
-capture the all-reduce, must equal eager decoding."""
+capture the all-reduce, must equal eager decoding of the same batches."""
 
 import gc
 from dataclasses import replace
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from nano.config import ConfigError, load_config
+from nano.cuda_graph_runner import StaticDecodeInputs
 from nano.generate import SHIPPED_CONFIGS
 from nano.loader import _fill_random, build_model, load_model
 from nano.sampling import SamplingParams
@@ -133,36 +134,57 @@ def _random_prompts(n, vocab, seed):
     return [torch.randint(3, vocab, (m,), generator=g).tolist() for m in lengths]
 
 
+def pad_decode_batches(engine, max_bs):
+    """Make rank 0 pad each decode batch to its graph size, as a replay pads it, before it sends
+    the batch: every rank then runs the padded batch eagerly. (The padded rows write req_to_token's
+    row 0, which these tests never give a request: rows are handed out from the top.)"""
+    inputs, forward = StaticDecodeInputs(max_bs, engine.device), engine._forward
+
+    def padded_forward(batch):
+        if not batch.is_decode:
+            return forward(batch)
+        return forward(inputs.batch(inputs.fill(batch)))[: batch.batch_size]
+
+    engine._forward = padded_forward
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 @pytest.mark.parametrize("shape", ["llama-3-8b", "deepseek-v2-lite"])
 def test_graphs_match_eager_at_tp2(shape):
     """The graph test of test_cuda_graph_runner at tensor parallelism 2, with the NCCL all-reduce
-    inside the graphs: 13 requests shrinking through padded sizes 16, 8, 4, 2, 1, then 5 of them
-    again; before them, 16 requests that stay 16, so no step is padded (which tells a padding
-    effect from a graph one). Greedy tokens with graphs must equal eager decoding exactly. With two
-    ranks an all-reduce is one addition, exact in any order, so padding changes nothing there either."""
+    inside the graphs. First 16 requests that stay 16, a graph size, so no step is padded: graphs
+    must equal eager decoding exactly. Then 13 requests shrinking through padded sizes 16, 8, 4,
+    2, 1, and 5 of them again: graphs must equal eager decoding of the same padded batches.
+    Unpadded eager decoding may differ there, and for Llama it does: cuBLAS picks its kernel by
+    the row count, and for one rank's down_proj (4096 x 7168) 9-15 rows round differently from 16
+    (scripts/matmul_rows.py). That is a batch-size effect any cuBLAS engine has, not a graph one.
+    With two ranks an all-reduce is one addition, exact in any order."""
     prompts = _random_prompts(13, 32000, seed=0)
     params = [SamplingParams(max_new_tokens=4 + 3 * i, ignore_eos=True) for i in range(13)]
     runs = {}
-    for mode in ("graphs", "eager"):
+    for graphs in (True, False):
         engine = Engine(SHIPPED_CONFIGS / shape, device="cuda", dtype=torch.bfloat16, attention_backend="triton",
-                        load_format="dummy", max_total_tokens=8192, max_requests=32, cuda_graph=mode == "graphs",
+                        load_format="dummy", max_total_tokens=8192, max_requests=32, cuda_graph=graphs,
                         cuda_graph_max_bs=32, tp_size=2, radix_cache=False, log=False)
         try:
-            # first 16 requests that stay 16 to the end: a graph size, so no step is padded
-            runs[mode + ", unpadded"] = engine.generate(_random_prompts(16, 32000, seed=1),
-                                                        SamplingParams(max_new_tokens=8, ignore_eos=True))
-            runs[mode] = engine.generate(prompts, params)
-            runs[mode + ", 5 requests"] = engine.generate(prompts[:5], params[:5])
+            modes = ["graphs"] if graphs else ["eager", "padded eager"]
+            for mode in modes:
+                if mode == "padded eager":
+                    pad_decode_batches(engine, 32)
+                runs[mode, "unpadded"] = engine.generate(_random_prompts(16, 32000, seed=1),
+                                                         SamplingParams(max_new_tokens=8, ignore_eos=True))
+                runs[mode, "13"] = engine.generate(prompts, params)
+                runs[mode, "5"] = engine.generate(prompts[:5], params[:5])
         finally:
             engine.close()
         del engine
         gc.collect()  # the split model refers to itself (tp.py's embed and logits): free it before the next
         torch.cuda.empty_cache()
-    for case in ("unpadded", None):
-        graphs, eager = (runs[f"{mode}, {case}" if case else mode] for mode in ("graphs", "eager"))
-        same = sum(a == b for a, b in zip(graphs, eager))
-        print(f"{shape} at tp 2, {case or 'padded'}: {same}/{len(graphs)} requests identical with graphs and eager")
-    assert runs["graphs, unpadded"] == runs["eager, unpadded"]
-    assert runs["graphs"] == runs["eager"]
-    assert runs["graphs, 5 requests"] == runs["eager, 5 requests"]
+    for case in ("unpadded", "13", "5"):
+        for mode in ("padded eager", "eager"):
+            same = sum(a == b for a, b in zip(runs["graphs", case], runs[mode, case]))
+            print(f"{shape} at tp 2, {case} requests: {same}/{len(runs['graphs', case])} identical "
+                  f"with graphs and {mode} decoding")
+    assert runs["graphs", "unpadded"] == runs["eager", "unpadded"] == runs["padded eager", "unpadded"]
+    assert runs["graphs", "13"] == runs["padded eager", "13"]
+    assert runs["graphs", "5"] == runs["padded eager", "5"]
