@@ -96,7 +96,9 @@ def test_graphs_match_eager_as_the_batch_shrinks(shape):
     """13 requests of different lengths and budgets: the batch shrinks through padded sizes 16, 8,
     4, 2, 1; a later generate() of 5 of them replays graphs used at other sizes before. The tokens
     must equal eager decoding exactly: of the same padded batches, and of unpadded ones (the MoE
-    form and the attention split counts are chosen so that padding does not change them).
+    form and the attention split counts are chosen so that padding does not change them, and at
+    these sizes neither does cuBLAS's choice of kernel: scripts/matmul_rows.py finds the sizes
+    where it does).
     DeepSeek's router makes this strict: with random weights some experts' scores nearly tie, and
     any last-bit difference (an atomic add in another order) flips one and the texts part."""
     from nano.engine import Engine
