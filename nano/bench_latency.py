@@ -108,8 +108,6 @@ def build_parser() -> ArgumentParser:
                        "and compare the bytes a decode step reads with the device's bandwidth.")
     p.add_argument("--model", help=f"a model folder, or a shipped shape ({', '.join(SHAPES)}) with random "
                    "weights; default: llama-3-8b on a GPU, smollm2-135m on CPU")
-    p.add_argument("--load-format", choices=["safetensors", "dummy"], default=None,
-                   help="default: dummy (random weights) for a shipped shape, safetensors for a folder")
     p.add_argument("--batch-size", type=int, nargs="+", default=[1], help="batch sizes to time, one run each")
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
     p.add_argument("--output-len", type=int, default=8,

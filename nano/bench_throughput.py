@@ -67,8 +67,6 @@ def run_hf_peer(model_dir, requests, dtype, device) -> tuple[int, float]:
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog="python -m nano.bench_throughput", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="llama-3-8b", help="model folder or shipped shape")
-    p.add_argument("--load-format", choices=["safetensors", "dummy"], default=None,
-                   help="dummy: random weights in the real shapes (default for a shipped shape)")
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--input-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))

@@ -147,14 +147,10 @@ def _parse_rope(raw: dict) -> tuple[float, dict | None]:
 
 def _parse_deepseek(raw: dict, cfg: ModelConfig, need) -> None:
     cfg.q_lora_rank = raw.get("q_lora_rank")
-    cfg.kv_lora_rank = int(need("kv_lora_rank"))
-    cfg.qk_nope_head_dim = int(need("qk_nope_head_dim"))
-    cfg.qk_rope_head_dim = int(need("qk_rope_head_dim"))
-    cfg.v_head_dim = int(need("v_head_dim"))
-    cfg.n_routed_experts = int(raw.get("n_routed_experts") or 0)
-    cfg.num_experts_per_tok = int(raw.get("num_experts_per_tok") or 0)
-    cfg.moe_intermediate_size = int(raw.get("moe_intermediate_size") or 0)
-    cfg.n_shared_experts = int(raw.get("n_shared_experts") or 0)
+    for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):  # MLA's shapes
+        setattr(cfg, name, int(need(name)))
+    for name in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts"):
+        setattr(cfg, name, int(raw.get(name) or 0))  # absent or null: no MoE
     cfg.first_k_dense_replace = int(raw.get("first_k_dense_replace", 0))
     cfg.moe_layer_freq = int(raw.get("moe_layer_freq", 1))
     cfg.norm_topk_prob = bool(raw.get("norm_topk_prob", False))

@@ -45,23 +45,18 @@ class StaticDecodeInputs:
         self.req_pool_indices = torch.zeros(max_bs, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
 
+    FIELDS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens")
+
     def batch(self, bs: int) -> ForwardBatch:
         """A decode batch over the first bs rows of the buffers."""
-        return ForwardBatch(
-            is_decode=True,
-            input_ids=self.input_ids[:bs],
-            positions=self.positions[:bs],
-            out_cache_loc=self.out_cache_loc[:bs],
-            req_pool_indices=self.req_pool_indices[:bs],
-            seq_lens=self.seq_lens[:bs],
-            seq_lens_cpu=[1] * bs,  # never read on the decode path; keeps batch_size right
-        )
+        return ForwardBatch(is_decode=True, **{name: getattr(self, name)[:bs] for name in self.FIELDS},
+                            seq_lens_cpu=[1] * bs)  # never read on the decode path; keeps batch_size right
 
     def fill(self, batch: ForwardBatch) -> int:
         """Copy the real batch into the first rows and pad it to its bucket -> the padded size.
         Padded rows are harmless: length 1, position 0, K/V written to the reserved slot 0."""
         bs, padded_bs = batch.batch_size, batch_bucket(batch.batch_size)
-        for name in ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens"):
+        for name in self.FIELDS:
             static = getattr(self, name)
             static[:bs].copy_(getattr(batch, name))
             static[bs:padded_bs] = 1 if name == "seq_lens" else 0

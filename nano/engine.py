@@ -115,7 +115,8 @@ class Engine:
                                 load_format, self.use_mla, seed, tp_rank, tp_size)
         if self.tp is not None:
             parallelize(self.model, self.tp)
-        self._print(f"loaded {cfg.architecture} ({_count_params(self.model) / 1e9:.2f} B parameters, "
+        n_params = sum(p.numel() for p in self.model.parameters())
+        self._print(f"loaded {cfg.architecture} ({n_params / 1e9:.2f} B parameters, "
                     f"{dtype}) on {self.device} in {time.perf_counter() - started:.1f} s"
                     + (f"; each of {tp_size} GPUs holds its part" if tp_size > 1 else ""))
 
@@ -346,7 +347,3 @@ class Engine:
         if self.tp is not None:
             self.graph_runner = None  # release the graphs before the communicator they run
             self.tp.close()
-
-
-def _count_params(model) -> int:
-    return sum(p.numel() for p in model.parameters())

@@ -56,8 +56,6 @@ def build_parser() -> argparse.ArgumentParser:
                        "the completion on stdout, progress and statistics on stderr.")
     p.add_argument("--model", help="a Hugging Face model folder (see weights/README.md); default: the embedded "
                    "SmolLM2-135M-Instruct, fetched on first use")
-    p.add_argument("--load-format", choices=["safetensors", "dummy"], default="safetensors",
-                   help="dummy: random weights in the model's real shapes (gibberish, for timing)")
     p.add_argument("--prompt", action="append", help="a prompt; repeat for several")
     p.add_argument("--prompt-file", help="a file with one prompt per line; - reads standard input")
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate per prompt")
@@ -72,11 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_engine_args(p: argparse.ArgumentParser):
-    """Flags shared with bench_latency."""
+    """Flags of every command that builds an engine: generate, the benchmarks, the server."""
     import torch
 
     has_cuda = torch.cuda.is_available()
     p.add_argument("--device", default="cuda" if has_cuda else "cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--load-format", choices=["safetensors", "dummy"], default=None,
+                   help="dummy: random weights in the real shapes (gibberish, for timing); default: dummy "
+                   "for a shipped shape, else safetensors")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                    help="default: bfloat16 on GPU, float32 on CPU")
     p.add_argument("--attention-backend", choices=["torch", "triton"], default=None,
@@ -174,7 +175,7 @@ def engine_from_args(args, model_dir: Path):
                          "without --disable-cuda-graph")
     return Engine(
         model_dir, device=device, dtype=dtype, attention_backend=backend,
-        load_format=args.load_format, mem_fraction=args.mem_fraction, max_total_tokens=args.max_total_tokens,
+        load_format=args.load_format or "safetensors", mem_fraction=args.mem_fraction, max_total_tokens=args.max_total_tokens,
         max_requests=args.max_running_requests, context_length=args.context_length,
         use_mla=not args.disable_mla, cuda_graph=cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
         radix_cache=not args.disable_radix_cache, chunked_prefill_size=args.chunked_prefill_size,

@@ -392,7 +392,6 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer | None, model_name: str
 
     @app.get("/health")
     async def health():
-        # KV slots: free, or holding cached prefixes (evictable unless a running request locks them)
         return {"status": "ok", **engine.state}  # as of the engine's last message (engine_state)
 
     @app.get("/v1/models", dependencies=authorized)
@@ -515,8 +514,6 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer | None, model_name: str
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog="python -m nano.serve", description=__doc__.split("\n")[0])
     p.add_argument("--model", help="HF model folder, or a shipped shape name with --load-format dummy")
-    p.add_argument("--load-format", choices=["safetensors", "dummy"], default=None,
-                   help="dummy: random weights in the real shapes (default for a shipped shape)")
     p.add_argument("--tokenizer", help="folder whose tokenizer to use (default: the model's, if it has one)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)

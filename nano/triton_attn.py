@@ -70,10 +70,9 @@ LOG2E = 1.4426950408889634
 
 
 class TritonAttnBackend:
-    def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor, max_batch_size: int, num_heads: int,
-                 max_kv_splits: int = MAX_KV_SPLITS):
+    def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor, max_batch_size: int, num_heads: int):
         self.kv_pool, self.req_to_token = kv_pool, req_to_token
-        self.num_heads, self.max_kv_splits = num_heads, max_kv_splits
+        self.num_heads, self.max_kv_splits = num_heads, MAX_KV_SPLITS
         _, self.num_kv_heads, self.k_dim = kv_pool.k_buffers[0].shape
         self.v_dim = kv_pool.v_buffers[0].shape[-1]
         self.group = num_heads // self.num_kv_heads  # query heads per KV head
@@ -90,8 +89,8 @@ class TritonAttnBackend:
         # Decode buffers, allocated once at their largest and sliced per batch (CUDA-graph safe).
         self.num_kv_splits = torch.ones(max_batch_size, dtype=torch.int32, device=device)
         f32 = dict(dtype=torch.float32, device=device)
-        self.partial_out = torch.empty(max_batch_size, num_heads, max_kv_splits, self.v_dim, **f32)
-        self.partial_lse = torch.empty(max_batch_size, num_heads, max_kv_splits, **f32)
+        self.partial_out = torch.empty(max_batch_size, num_heads, MAX_KV_SPLITS, self.v_dim, **f32)
+        self.partial_lse = torch.empty(max_batch_size, num_heads, MAX_KV_SPLITS, **f32)
         self.max_extend_len = 0  # host int: the extend grid needs it
 
     def init_forward_metadata(self, batch: ForwardBatch):
@@ -129,7 +128,7 @@ class TritonAttnBackend:
 
     def _store_kv(self, k, v, k_cache, v_cache, out_cache_loc):
         """Write the new tokens' K (and V) into their pool slots. One launch: torch's indexed copy
-        takes four (index casts and copies for K and V), which measured 7 us per layer in decode."""
+        takes four (index casts and copies for K and V)."""
         has_v = not self.kv_pool.use_mla
         if not has_v:  # MLA: the cached value is part of the key row, stored with it
             v, v_cache = k, k_cache
@@ -205,7 +204,7 @@ def _extend_config(k_dim: int) -> tuple[int, int, int, int]:
 
 def _decode_config(k_dim: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) for decode stage 1: the fastest of those tried on an H200
-    (bench_attention.py) for 128-wide heads and for MLA."""
+    (scripts/bench_attention.py) for 128-wide heads and for MLA."""
     # Each stage holds a K and a V tile in shared memory (at most about 227 KB): 128 tokens of
     # 128-wide heads, 3 deep, is 192 KB; 192-wide keys take 64 tokens to fit; MLA's 576-wide rows
     # take 32 tokens, 2 deep (16 or 64 tokens, 8 warps or 3 stages measured slower there).

@@ -16,7 +16,7 @@ sweep="--batch-size 1 8 32 64 128 160 --input-len 128 --output-len 16"
 want tests && python3 -m pytest -q -rsP tests 2>&1 | tee "$OUT/pytest.log" | tail -25
 want bench-llama && python3 -m nano.bench_latency --model llama-3-8b --load-format dummy $sweep 2>&1 | tee "$OUT/bench_llama.log"
 want bench-deepseek && python3 -m nano.bench_latency --model deepseek-v2-lite --load-format dummy $sweep 2>&1 | tee "$OUT/bench_deepseek.log"
-want bench-attention && python3 -m nano.bench_attention 2>&1 | tee "$OUT/bench_attention.log"
+want bench-attention && python3 scripts/bench_attention.py 2>&1 | tee "$OUT/bench_attention.log"
 if want profile; then
   for model in llama-3-8b deepseek-v2-lite; do
     for bs in 1 8 64 160; do python3 scripts/profile_decode.py $model $bs; done

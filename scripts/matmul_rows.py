@@ -5,13 +5,16 @@ kernel (tile shape, split-K) by the row count, and two kernels may round a row d
 For each weight of one rank of Llama-3-8B (tp 1 and tp 2) this prints the row counts whose rows
 differ from the same rows computed at their graph size. Usage: python scripts/matmul_rows.py"""
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
-from nano.config import load_config
-from nano.forward_batch import batch_bucket
-from nano.generate import SHIPPED_CONFIGS
-from nano.tp import shard_config
+sys.path.insert(0, ".")
+from nano.config import load_config  # noqa: E402
+from nano.forward_batch import batch_bucket  # noqa: E402
+from nano.generate import SHIPPED_CONFIGS  # noqa: E402
+from nano.tp import shard_config  # noqa: E402
 
 if __name__ == "__main__":
     torch.manual_seed(0)

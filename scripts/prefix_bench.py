@@ -112,8 +112,6 @@ def with_context(model_dir: Path, needed: int, scratch: Path) -> Path:
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python scripts/prefix_bench.py", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="llama-3-8b")
-    p.add_argument("--load-format", choices=["safetensors", "dummy"], default=None,
-                   help="dummy: random weights in the real shapes (default for a shipped shape)")
     p.add_argument("--prefix-len", type=int, default=2000)
     p.add_argument("--suffix-len", type=int, default=100)
     p.add_argument("--num-requests", type=int, default=128)

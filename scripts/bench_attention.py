@@ -11,17 +11,20 @@ device's copy bandwidth, measured at start.
 Like the engine, it captures a decode step over many layers in a CUDA graph and replays it: small
 cases get enough layers that their KV (hundreds of MB) cannot sit in the 60 MB L2 cache between
 replays, so the numbers are DRAM numbers, and launch gaps inside the graph count, as they do in a
-real step. Every token sits in a random pool slot. Run on a GPU: `python -m nano.bench_attention`.
+real step. Every token sits in a random pool slot. Run on a GPU: `python scripts/bench_attention.py`.
 """
+
+import sys
 
 import torch
 import triton
 
-from nano.bench_latency import measure_copy_bandwidth
-from nano.config import parse_config
-from nano.forward_batch import ForwardBatch
-from nano.kv_cache import KVPool, kv_bytes_per_token
-from nano.triton_attn import TritonAttnBackend
+sys.path.insert(0, ".")
+from nano.bench_latency import measure_copy_bandwidth  # noqa: E402
+from nano.config import parse_config  # noqa: E402
+from nano.forward_batch import ForwardBatch  # noqa: E402
+from nano.kv_cache import KVPool, kv_bytes_per_token  # noqa: E402
+from nano.triton_attn import TritonAttnBackend  # noqa: E402
 
 BATCH_SIZES = (1, 32, 128)
 CONTEXTS = (1024, 4096, 16384)
