@@ -37,6 +37,7 @@ def capture_batch_sizes(max_bs: int) -> list[int]:
 
 class StaticDecodeInputs:
     """The decode inputs every graph reads: one buffer each, sized for the largest batch."""
+    FIELDS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens")
 
     def __init__(self, max_bs: int, device):
         self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
@@ -44,8 +45,6 @@ class StaticDecodeInputs:
         self.out_cache_loc = torch.zeros(max_bs, dtype=torch.int32, device=device)
         self.req_pool_indices = torch.zeros(max_bs, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
-
-    FIELDS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens")
 
     def batch(self, bs: int) -> ForwardBatch:
         """A decode batch over the first bs rows of the buffers."""
