@@ -56,13 +56,15 @@ class MLAttention(nn.Module):
         self.latent_dim = cfg.kv_lora_rank
         q_size = cfg.num_heads * cfg.head_dim  # head_dim = nope + rope = 192
         self.q_lora = cfg.q_lora_rank is not None
-        if self.q_lora:  # V2: the query goes through its own low-rank bottleneck
-            self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank)
+        # The query's first projection and the latent's (kv_a_proj_with_mqa: latent and rope key)
+        # both read the layer's input, so they are stacked into one matmul. V2 sends the query
+        # through its own low-rank bottleneck (q_a_proj, a norm, q_b_proj); V2-Lite projects it at once.
+        query_proj, self.query_width = ("q_a_proj", cfg.q_lora_rank) if self.q_lora else ("q_proj", q_size)
+        self.fused_a_proj = Linear(cfg.hidden_size, [self.query_width, cfg.kv_lora_rank + cfg.qk_rope_head_dim],
+                                   stacked=(query_proj, "kv_a_proj_with_mqa"))
+        if self.q_lora:
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = Linear(cfg.q_lora_rank, q_size)
-        else:  # V2-Lite: one plain projection
-            self.q_proj = Linear(cfg.hidden_size, q_size)
-        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = Linear(cfg.kv_lora_rank, cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim))
         self.o_proj = Linear(cfg.num_heads * cfg.v_head_dim, cfg.hidden_size)
@@ -76,29 +78,30 @@ class MLAttention(nn.Module):
 
     def forward(self, x, batch: ForwardBatch, attn):
         num_tokens = x.shape[0]
+        q, kv = self.fused_a_proj(x).split([self.query_width, self.latent_dim + self.rope_dim], dim=-1)
         if self.q_lora:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        else:
-            q = self.q_proj(x)
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(num_tokens, self.num_heads, self.nope_dim + self.rope_dim)  # [T, H, 192]
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)  # [T, H, 128], [T, H, 64]
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.latent_dim, self.rope_dim], dim=-1)
-        c = self.kv_a_layernorm(latent)  # [T, 512]: the norm leaves the rope key alone
-        q_pe, k_pe = self.rotary(batch.positions, q_pe, k_pe.unsqueeze(1))  # k_pe [T, 1, 64]
+        # kv [T, 576] becomes the row the cache stores, [c | k_pe], in place: the norm turns the
+        # latent into c and leaves the rope key alone, rope rotates k_pe (and q_pe).
+        latent, k_pe = kv.split([self.latent_dim, self.rope_dim], dim=-1)
+        c = self.kv_a_layernorm(latent, out=latent)  # [T, 512]
+        k_pe = k_pe.unsqueeze(1)  # [T, 1, 64]
+        self.rotary(batch.positions, q_pe, k_pe)
         if self.use_mla:
-            out = self._attend_absorbed(q_nope, q_pe, c, k_pe, batch, attn)
+            out = self._attend_absorbed(q_nope, q_pe, kv.unsqueeze(1), batch, attn)
         else:
             out = self._attend_expanded(q_nope, q_pe, c, k_pe, batch, attn)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
 
-    def _attend_absorbed(self, q_nope, q_pe, c, k_pe, batch, attn):
+    def _attend_absorbed(self, q_nope, q_pe, key, batch, attn):
         # Per-head views of kv_b_proj (no copies), taken afresh each call so they follow the
         # weight through any later `.to()`.
         per_head = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.latent_dim)
         w_uk, w_uv = per_head.split([self.nope_dim, self.v_dim], dim=1)  # [H, 128, 512]: latent -> k_nope, v
         q_lat = torch.einsum("thn,hnc->thc", q_nope, w_uk)  # [T, H, 512]
-        query = torch.cat([q_lat, q_pe], dim=-1)  # [T, H, 576]
-        key = torch.cat([c.unsqueeze(1), k_pe], dim=-1)  # [T, 1, 576]: the cached row
+        query = torch.cat([q_lat, q_pe], dim=-1)  # [T, H, 576]; key [T, 1, 576] is the cached row
         o_lat = attn.forward(query, key, None, self.layer_id, batch, self.scale)  # [T, H, 512]
         return torch.einsum("thc,hvc->thv", o_lat, w_uv)  # [T, H, 128]
 
@@ -183,8 +186,7 @@ class MoE(nn.Module):
         num_tokens, top_k = ids.shape
         gate_up = expert_matvec(x, self.w13, ids)  # [T, k, 2I]
         h = silu_and_mul(gate_up.view(num_tokens * top_k, -1)).view(num_tokens, top_k, -1)  # [T, k, I]
-        out = expert_matvec(h, self.w2, ids)  # [T, k, hidden]
-        return torch.einsum("tkh,tk->th", out, weights.to(x.dtype))
+        return expert_matvec(h, self.w2, ids, pair_weights=weights).sum(dim=1)  # [T, k, hidden] -> [T, hidden]
 
     def fused(self, x, weights, ids):
         from nano.moe_kernels import align_pairs_by_expert, fused_moe_config, fused_moe_matmul

@@ -32,12 +32,15 @@ from nano.rope import RotaryEmbedding
 
 
 class Linear(nn.Module):
-    """y = x W^T. Several checkpoint matrices may be stacked into one weight (`output_sizes`).
-    The weight is left uninitialised: the loader fills it."""
+    """y = x W^T. Several checkpoint matrices that multiply the same input may be stacked into one
+    weight: `stacked` names them (their module names in the checkpoint), `output_sizes` gives their
+    rows. The weight is left uninitialised: the loader fills it."""
 
-    def __init__(self, in_features: int, output_sizes: int | list[int], dtype: torch.dtype | None = None):
+    def __init__(self, in_features: int, output_sizes: int | list[int], dtype: torch.dtype | None = None,
+                 stacked: tuple[str, ...] | None = None):
         super().__init__()
         self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else output_sizes
+        self.stacked = stacked
         self.weight = nn.Parameter(torch.empty(sum(self.output_sizes), in_features, dtype=dtype), requires_grad=False)
 
     def forward(self, x):
@@ -50,12 +53,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x):
+    def forward(self, x, out=None):
+        """-> the normed x, written into `out` when given (which may be x itself)."""
         if x.is_cuda:
             from nano.triton_ops import rms_norm
 
-            return rms_norm(x, self.weight, self.eps)
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps, out)
+        normed = F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return normed if out is None else out.copy_(normed)
 
     def add_and_norm(self, x, residual):
         """The residual stream's step: residual += x, then normalise it -> (normed, residual).
@@ -73,7 +78,7 @@ class SwiGLU(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_up_proj = Linear(hidden, [intermediate, intermediate])
+        self.gate_up_proj = Linear(hidden, [intermediate, intermediate], stacked=("gate_proj", "up_proj"))
         self.down_proj = Linear(intermediate, hidden)
 
     def forward(self, x):
@@ -92,7 +97,7 @@ class LlamaAttention(nn.Module):
         self.layer_id, self.rotary = layer_id, rotary
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size])
+        self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size], stacked=("q_proj", "k_proj", "v_proj"))
         self.o_proj = Linear(q_size, cfg.hidden_size)
         self.scale = cfg.head_dim**-0.5
 
@@ -102,7 +107,7 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(batch.positions, q, k)
+        self.rotary(batch.positions, q, k)  # in place
         out = attn.forward(q, k, v, self.layer_id, batch, self.scale)  # [T, H, D]
         return self.o_proj(out.view(num_tokens, -1))
 
@@ -170,13 +175,9 @@ class CausalLM(nn.Module):
         return tensor
 
 
-# Which checkpoint matrices were stacked into which of our fused weights, in order.
-STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-
-
 def _stacked_layout(prefix: str, linear: Linear) -> dict:
     parent, _, own = prefix.rpartition(".")
-    names = STACKED.get(own, (own,))
+    names = linear.stacked or (own,)
     layout, row = {}, 0
     for name, size in zip(names, linear.output_sizes, strict=True):
         layout[f"{parent}.{name}.weight"] = (linear.weight, (slice(row, row + size),))

@@ -75,8 +75,9 @@ MATVEC_NUM_WARPS = 4
 
 
 @triton.jit
-def _expert_matvec_kernel(x_ptr, w_ptr, expert_ids_ptr, out_ptr, x_token_stride, x_slot_stride, N, K,
-                          TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _expert_matvec_kernel(x_ptr, w_ptr, expert_ids_ptr, pair_weights_ptr, out_ptr, x_token_stride, x_slot_stride,
+                          N, K, TOP_K: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
     pair = tl.program_id(0)  # = token * TOP_K + slot
     token, slot = pair // TOP_K, pair % TOP_K
     expert = tl.load(expert_ids_ptr + pair).to(tl.int64)
@@ -92,25 +93,29 @@ def _expert_matvec_kernel(x_ptr, w_ptr, expert_ids_ptr, out_ptr, x_token_stride,
         w = tl.load(w_tile + k0, mask=in_rows[:, None] & in_k[None, :], other=0.0).to(tl.float32)
         acc += w * x[None, :]
     out = tl.sum(acc, axis=1)  # [BLOCK_N]
+    if WEIGHTED:
+        out *= tl.load(pair_weights_ptr + pair)
     tl.store(out_ptr + pair.to(tl.int64) * N + rows, out.to(out_ptr.dtype.element_ty), mask=in_rows)
 
 
-def expert_matvec(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+def expert_matvec(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor,
+                  pair_weights: torch.Tensor | None = None) -> torch.Tensor:
     """out[t, j] = w[expert_ids[t, j]] @ x[t] (x [T, K]: one input row per token, used by all its
     experts, as in the up/gate projection) or @ x[t, j] (x [T, k, K]: one row per chosen expert,
-    as in the down projection). w [E, N, K] contiguous, expert_ids [T, k] integer -> out [T, k, N],
-    in x's dtype, accumulated in float32."""
+    as in the down projection), times pair_weights[t, j] when given. w [E, N, K] contiguous,
+    expert_ids [T, k] integer -> out [T, k, N], in x's dtype, accumulated in float32."""
     num_tokens, top_k = expert_ids.shape
     _, n, k_dim = w.shape
     if x.dim() == 2:
         x = x[:, None, :].expand(num_tokens, top_k, k_dim)  # stride 0 over the slots: nothing copied
     assert x.shape == (num_tokens, top_k, k_dim) and x.stride(-1) == 1 and x.dtype == w.dtype
     assert w.is_contiguous() and expert_ids.is_contiguous()
+    assert pair_weights is None or (pair_weights.is_contiguous() and pair_weights.shape == expert_ids.shape)
     out = torch.empty((num_tokens, top_k, n), dtype=x.dtype, device=x.device)  # [T, k, N]
     grid = (num_tokens * top_k, triton.cdiv(n, MATVEC_BLOCK_N))
-    _expert_matvec_kernel[grid](x, w, expert_ids, out, x.stride(0), x.stride(1), n, k_dim,
-                                TOP_K=top_k, BLOCK_N=MATVEC_BLOCK_N, BLOCK_K=MATVEC_BLOCK_K,
-                                num_warps=MATVEC_NUM_WARPS)
+    _expert_matvec_kernel[grid](x, w, expert_ids, pair_weights, out, x.stride(0), x.stride(1), n, k_dim,
+                                TOP_K=top_k, WEIGHTED=pair_weights is not None, BLOCK_N=MATVEC_BLOCK_N,
+                                BLOCK_K=MATVEC_BLOCK_K, num_warps=MATVEC_NUM_WARPS)
     return out
 
 

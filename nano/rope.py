@@ -76,14 +76,16 @@ class RotaryEmbedding(torch.nn.Module):
             cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1) * magnitude
         self.register_buffer("cos_sin", cos_sin.to(torch.get_default_device()), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Rotate q [T, H, rot_dim] and k [T, Hkv, rot_dim] by their token's position [T]."""
-        if q.is_cuda:  # one fused kernel, in place (triton_ops.py)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """Rotate q [T, H, rot_dim] and k [T, Hkv, rot_dim] by their token's position [T], in place:
+        they are usually views into a projection's output, which then holds the rotated rows."""
+        if q.is_cuda:  # one fused kernel (triton_ops.py)
             from nano.triton_ops import apply_rope_
 
             apply_rope_(q, k, self.cos_sin, positions)
-            return q, k
-        return self.rotate_reference(positions, q, k)
+            return
+        for x, rotated in zip((q, k), self.rotate_reference(positions, q, k)):
+            x.copy_(rotated)
 
     def rotate_reference(self, positions, q, k):
         """The same rotation in plain torch: the CPU path, and the truth for the kernel's tests."""

@@ -63,13 +63,16 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       eps: float, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual [T, hidden] -> (rms_norm(x + residual) * weight, x + residual), in x's dtype.
 
-    With residual None (the first layer: nothing to add yet) -> (rms_norm(x) * weight, x)."""
+    With residual None (the first layer: nothing to add yet) -> (rms_norm(x) * weight, x). The
+    normed rows go to `out` when given; it may be x itself (a program loads its whole row first)."""
     num_tokens, hidden = x.shape
     assert x.stride(-1) == 1 and weight.shape == (hidden,) and weight.is_contiguous()
-    out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)  # [T, hidden]
+    if out is None:
+        out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)  # [T, hidden]
+    assert out.shape == x.shape and out.dtype == x.dtype and out.stride(-1) == 1
     add_residual = residual is not None
     if not add_residual:
         residual = new_residual = x  # the kernel reads and writes neither
@@ -86,9 +89,9 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: t
     return out, new_residual
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [T, hidden] -> rms_norm(x) * weight, in x's dtype."""
-    return fused_add_rms_norm(x, None, weight, eps)[0]
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, hidden] -> rms_norm(x) * weight, in x's dtype (into `out` when given, which may be x)."""
+    return fused_add_rms_norm(x, None, weight, eps, out)[0]
 
 
 @triton.jit

@@ -48,8 +48,9 @@ def kv_bytes_per_layer(raw: dict, batch_size: int, context: int, use_mla: bool) 
     return batch_size * context * kv_bytes_per_token(cfg, torch.bfloat16, use_mla)
 
 
-def bench_case(raw: dict, use_mla: bool, batch_size: int, context: int) -> tuple[float, int]:
-    """-> (microseconds per layer, number of KV splits the backend chose)."""
+def bench_case(raw: dict, use_mla: bool, batch_size: int, context: int, configure=None) -> tuple[float, int]:
+    """-> (microseconds per layer, number of KV splits the backend chose). configure(backend), when
+    given, may change the backend before it runs (scripts/tune_mla_decode.py)."""
     layer_bytes = kv_bytes_per_layer(raw, batch_size, context, use_mla)
     num_layers = max(1, min(MAX_LAYERS, triton.cdiv(MIN_BYTES_PER_STEP, layer_bytes)))
     cfg = parse_config(dict(raw, num_hidden_layers=num_layers))
@@ -62,6 +63,8 @@ def bench_case(raw: dict, use_mla: bool, batch_size: int, context: int) -> tuple
     batch = ForwardBatch.decode([0] * batch_size, [context] * batch_size, list(range(batch_size)),
                                 req_to_token[:, -1].contiguous(), "cuda")
     backend = TritonAttnBackend(pool, req_to_token, batch_size, cfg.num_heads)
+    if configure is not None:
+        configure(backend)
 
     (kv_heads, k_dim), (_, v_dim) = pool.k_buffers[0].shape[1:], pool.v_buffers[0].shape[1:]
     q = torch.randn(batch_size, cfg.num_heads, k_dim, dtype=torch.bfloat16, device="cuda")

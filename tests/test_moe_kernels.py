@@ -63,13 +63,12 @@ def check_expert_products(kernel: str, num_tokens: int, top_k: int, num_experts:
     pair_weights = None
     if input_per_expert:  # the down projection's input: one row per chosen expert
         x = randn(num_tokens, top_k, k, dtype=dtype)
-        if kernel == "fused":  # which also applies the routing weights
-            pair_weights = torch.rand(num_tokens, top_k, device=DEVICE) + 0.5
+        pair_weights = torch.rand(num_tokens, top_k, device=DEVICE) + 0.5  # which also applies the routing weights
     else:  # the up/gate projection's: one row per token, here a column slice of a wider tensor
         x = randn(num_tokens, k + 8, dtype=dtype)[:, :k]
     if kernel == "matvec":
         with nan_allocations():
-            out = expert_matvec(x, w, ids)
+            out = expert_matvec(x, w, ids, pair_weights)
     else:
         out = fused_expert_products(x, w, ids, pair_weights)
     assert_close(out, reference_expert_products(x, w, ids, pair_weights))

@@ -61,7 +61,7 @@ def test_each_rank_loads_its_block(tmp_path, load_format):
         assert torch.equal(part[f"{attn}.q_b_proj.weight"], per_head[heads].reshape(48, 24))
         per_head = full[f"{attn}.kv_b_proj.weight"].view(4, 24, 32)  # [heads, nope 8 + v 16, latent]
         assert torch.equal(part[f"{attn}.kv_b_proj.weight"], per_head[heads].reshape(48, 32))
-        for replicated in (f"{attn}.kv_a_proj_with_mqa.weight", f"{attn}.q_a_proj.weight", f"{mlp}.gate.weight"):
+        for replicated in (f"{attn}.fused_a_proj.weight", f"{mlp}.gate.weight"):  # q_a_proj and kv_a_proj_with_mqa
             assert torch.equal(part[replicated], full[replicated]), replicated
         gate, up = full[f"{mlp}.w13"].chunk(2, dim=1)  # [experts, 24, hidden] each
         width = slice(12 * rank, 12 * (rank + 1))

@@ -33,8 +33,10 @@ def reference_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def check_norms(num_tokens: int, hidden: int, dtype: torch.dtype, row_stride: int):
-    """x is a column slice of a wider tensor when row_stride > hidden (DeepSeek's latent)."""
-    x = randn(num_tokens, row_stride, dtype=dtype)[:, :hidden]  # [T, hidden], strided rows
+    """x is a column slice of a wider tensor when row_stride > hidden (DeepSeek's latent), which
+    is also normed in place there: the columns past it must be left as they were."""
+    wide = randn(num_tokens, row_stride, dtype=dtype)
+    x = wide[:, :hidden]  # [T, hidden], strided rows
     residual = randn(num_tokens, hidden, dtype=dtype)
     weight = 1 + 0.1 * randn(hidden, dtype=dtype)
     eps = 1e-6
@@ -47,6 +49,10 @@ def check_norms(num_tokens: int, hidden: int, dtype: torch.dtype, row_stride: in
     assert_close(alone, reference_rms_norm(x, weight, eps))
     assert first_residual is x
     assert torch.equal(first_normed, alone)
+    expected = wide.clone()
+    expected[:, :hidden] = alone
+    assert rms_norm(x, weight, eps, out=x) is x
+    assert torch.equal(wide, expected)
 
 
 def check_silu_and_mul(num_tokens: int, intermediate: int, dtype: torch.dtype):
