@@ -82,12 +82,13 @@ class ForwardBatch:
         )
 
     @classmethod
-    def decode(cls, input_ids: list[int], seq_lens: list[int], req_pool_indices: list[int],
+    def decode(cls, input_ids: list[int] | torch.Tensor, seq_lens: list[int], req_pool_indices: list[int],
                out_cache_loc: torch.Tensor, device) -> "ForwardBatch":
-        """seq_lens include the new token, whose position is seq_len - 1."""
+        """input_ids may already be on the device (the tokens the pass before sampled there);
+        seq_lens include the new token, whose position is seq_len - 1."""
         return cls(
             is_decode=True,
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
+            input_ids=torch.as_tensor(input_ids, dtype=torch.int64, device=device),
             positions=torch.tensor([n - 1 for n in seq_lens], dtype=torch.int64, device=device),
             out_cache_loc=out_cache_loc,
             req_pool_indices=torch.tensor(req_pool_indices, dtype=torch.int32, device=device),
