@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 
 from nano.config import load_config
-from nano.forward_batch import ForwardBatch
+from nano.forward_batch import ForwardBatch, to_device
 from nano.kv_cache import KVPool, ReqToTokenPool, SlotAllocator, kv_bytes_per_token, slots_for_memory
 from nano.loader import load_model, model_bytes
 from nano.memory import ensure_fits
@@ -337,8 +337,8 @@ class Engine:
             input_ids = prev.tokens
         else:
             rids = {r.rid for r in reqs}
-            input_ids = prev.tokens[torch.tensor([i for i, r in enumerate(prev.reqs) if r.rid in rids],
-                                                 device=self.device)]
+            input_ids = prev.tokens[to_device([i for i, r in enumerate(prev.reqs) if r.rid in rids], torch.int64,
+                                              self.device)]
         batch = ForwardBatch.decode(input_ids, seq_lens, [r.row for r in reqs], slots, self.device)
         self.req_to_token_pool.req_to_token[batch.req_pool_indices, batch.positions] = slots
         return self._launch_sampling(reqs, self._forward(batch))
