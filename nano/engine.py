@@ -32,7 +32,17 @@ With `tp_size` N > 1 this engine is rank 0 of N processes, one per GPU (tp.py): 
 others, which build the same engine around their part of the model and run each forward pass it
 sends them. Everything above happens on rank 0 only.
 
-`step()` returns the (request, token) pairs it produced, so a caller can stream them.
+Overlap: between two decode passes the host books the tokens of the first (appends them, retires
+finished requests) and builds the second (and with tensor parallelism hands it to the other
+ranks), and the GPU would wait for all that. So while no prompt waits, the engine launches pass
+N+1 before it reads pass N's tokens: they stay on the device as N+1's input ids, their copy to
+the host runs behind them, and the host books them while the GPU runs N+1. A request that N
+stops (EOS, a stop id) gets a token computed in N+1 for nothing, dropped when N+1 is booked; its
+slot goes back at once. Before a prefill the engine books everything first, so admission sees
+the running set as it is, and the tokens of a decode step between chunks go out at once.
+
+`step()` returns the (request, token) pairs it produced, so a caller can stream them: with
+overlap, those of the pass before the one it launched.
 """
 
 import sys
@@ -44,7 +54,7 @@ from pathlib import Path
 import torch
 
 from nano.config import load_config
-from nano.forward_batch import ForwardBatch
+from nano.forward_batch import ForwardBatch, to_device
 from nano.kv_cache import KVPool, ReqToTokenPool, SlotAllocator, kv_bytes_per_token, slots_for_memory
 from nano.loader import load_model, model_bytes
 from nano.memory import ensure_fits
@@ -52,6 +62,16 @@ from nano.radix_cache import Node, RadixCache
 from nano.sampling import SamplingParams, sample
 from nano.torch_attn import TorchAttnBackend
 from nano.tp import TensorParallel, launch, parallelize, shard_config
+
+
+@dataclass
+class DecodePass:
+    """A decode pass whose sampled tokens are still on their way to the host."""
+    reqs: list["Request"]
+    rids: set[int]
+    tokens: torch.Tensor  # [B] int64 on the device: the next pass's input ids
+    host_tokens: torch.Tensor  # [B] int64 on the host, once `copied` has happened
+    copied: torch.cuda.Event | None  # None on CPU, where the copy is done at once
 
 
 @dataclass
@@ -89,7 +109,7 @@ class Engine:
                  load_format="safetensors", mem_fraction=0.85, max_total_tokens=None, max_requests=256,
                  context_length=None, use_mla=True, cuda_graph=False, cuda_graph_max_bs=None,
                  max_prefill_tokens=16384, radix_cache=True, chunked_prefill_size=8192, tp_size=1, seed=0, log=True,
-                 tp_group: TensorParallel | None = None):
+                 overlap=True, tp_group: TensorParallel | None = None):
         # the other tensor-parallel ranks build their engines from these same arguments
         args = {name: value for name, value in locals().items() if name not in ("self", "tp_group")}
         self.device, self.dtype, self.log = torch.device(device), dtype, log
@@ -151,6 +171,8 @@ class Engine:
         self.running: list[Request] = []
         self.chunked: Request | None = None  # the request whose prompt is part-way through prefill
         self.decode_owed = False  # the last step left a prompt part-way: decode the running ones next
+        self.overlap = overlap
+        self.in_flight: DecodePass | None = None  # the last decode pass, not yet retired
         self.next_rid = 0
         self.stats = dict(prefill_s=0.0, prefill_steps=0, prefill_tokens=0, cached_tokens=0,
                           decode_s=0.0, decode_steps=0, decode_tokens=0)
@@ -196,7 +218,7 @@ class Engine:
             self._release(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked)
+        return bool(self.waiting or self.running or self.chunked or self.in_flight)
 
     @property
     def unreserved_slots(self) -> int:
@@ -207,15 +229,18 @@ class Engine:
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[tuple[Request, int]]:
         started = time.perf_counter()
+        events = []
+        if self.in_flight and (self.waiting or self.chunked):  # admission needs the running set settled
+            events = self._retire(self.in_flight)  # (only when a prompt arrived since the last step)
         # a step that left a prompt part-way owes the running requests a decode step
         chunks = [] if self.decode_owed and self.running else self._schedule_prefill()
         self.decode_owed = False
-        kind, events = ("prefill", self._prefill(chunks)) if chunks else ("decode", self._decode())
-        # sampling ended with a host copy of the tokens, so the clock reads finished GPU work
+        kind, new_events = ("prefill", self._prefill(chunks)) if chunks else ("decode", self._decode())
+        events += new_events
+        # a step ends when the tokens it hands out are on the host: over many steps the clock
+        # reads the GPU's work
         self.stats[kind + "_s"] += time.perf_counter() - started
         self.stats[kind + "_steps"] += 1
-        if kind == "decode":
-            self.stats["decode_tokens"] += len(events)
         return events
 
     def _schedule_prefill(self) -> list[tuple[Request, int]]:
@@ -288,15 +313,56 @@ class Engine:
         return self._sample_and_retire([reqs[i] for i in done], logits[done]) if done else []
 
     def _decode(self) -> list[tuple[Request, int]]:
-        reqs = self.running
-        if not reqs:
-            return []
+        """Launch a decode pass over the running requests, then book the pass before it, which the
+        GPU has finished or nearly (see the lesson: overlap)."""
+        prev = self.in_flight
+        pending = prev.rids if prev else set()  # requests with a token on the device, not yet booked
+        # one whose budget the pass in flight uses up sits this one out
+        reqs = [r for r in self.running if len(r.output_ids) + (r.rid in pending) < r.params.max_new_tokens]
+        self.in_flight = self._launch_decode(reqs, prev) if reqs else None
+        events = self._retire(prev) if prev else []
+        if self.in_flight and (not self.overlap or self.waiting or self.chunked):  # a prefill is next:
+            events += self._retire(self.in_flight)  # hand this pass's tokens out before it
+        return events
+
+    def _launch_decode(self, reqs: list[Request], prev: DecodePass | None) -> DecodePass:
+        """A pass whose input ids are the pass in flight's tokens, still on the device, for the
+        requests it holds (their new token sits one position further than the host has counted)."""
+        pending = prev.rids if prev else set()
         slots = self._alloc_slots(len(reqs))
-        seq_lens = [r.num_tokens for r in reqs]  # the new token's position is num_tokens - 1
-        batch = ForwardBatch.decode([r.output_ids[-1] for r in reqs], seq_lens, [r.row for r in reqs], slots,
-                                    self.device)
+        seq_lens = [r.num_tokens + (r.rid in pending) for r in reqs]  # the new token's position is seq_len - 1
+        if prev is None:
+            input_ids = [r.output_ids[-1] for r in reqs]
+        elif len(reqs) == len(prev.reqs):  # the same requests in the same order
+            input_ids = prev.tokens
+        else:
+            rids = {r.rid for r in reqs}
+            input_ids = prev.tokens[to_device([i for i, r in enumerate(prev.reqs) if r.rid in rids], torch.int64,
+                                              self.device)]
+        batch = ForwardBatch.decode(input_ids, seq_lens, [r.row for r in reqs], slots, self.device)
         self.req_to_token_pool.req_to_token[batch.req_pool_indices, batch.positions] = slots
-        return self._sample_and_retire(list(reqs), self._forward(batch))
+        return self._launch_sampling(reqs, self._forward(batch))
+
+    def _launch_sampling(self, reqs: list[Request], logits: torch.Tensor) -> DecodePass:
+        """Sample on the device and start copying the tokens to the host, without waiting for them."""
+        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        if not tokens.is_cuda:
+            return DecodePass(reqs, {r.rid for r in reqs}, tokens, tokens, None)
+        host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host_tokens.copy_(tokens, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return DecodePass(reqs, {r.rid for r in reqs}, tokens, host_tokens, copied)
+
+    def _retire(self, done: DecodePass) -> list[tuple[Request, int]]:
+        """Book a decode pass's tokens: each request gets its token, and those that are done leave."""
+        if self.in_flight is done:
+            self.in_flight = None
+        if done.copied is not None:
+            done.copied.synchronize()
+        events = self._append_tokens(done.reqs, done.host_tokens.tolist())
+        self.stats["decode_tokens"] += len(events)
+        return events
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         """One forward pass -> logits [B, vocab]: a graph replay when one fits the batch, else the
@@ -310,11 +376,18 @@ class Engine:
 
     def _sample_and_retire(self, reqs: list[Request], logits: torch.Tensor) -> list[tuple[Request, int]]:
         tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs]).tolist()
+        return self._append_tokens(reqs, tokens)
+
+    def _append_tokens(self, reqs: list[Request], tokens: list[int]) -> list[tuple[Request, int]]:
+        events = []
         for req, token in zip(reqs, tokens):
+            if req.finished:  # aborted, or stopped by the pass before while this one ran
+                continue
             req.output_ids.append(token)
+            events.append((req, token))
             if token in req.stop_ids or len(req.output_ids) >= req.params.max_new_tokens:
                 self._finish(req)
-        return list(zip(reqs, tokens))
+        return events
 
     def _finish(self, req: Request):
         req.finished = True
@@ -325,6 +398,8 @@ class Engine:
         """Give back what an admitted request holds: its K/V into the prefix cache (or its slots
         to the allocator), its lock on the cached prefix, its row, its claim on the pool."""
         kv_slots = self.req_to_token_pool.req_to_token[req.row, : req.kv_len].clone()
+        if self.in_flight and req.rid in self.in_flight.rids:  # the pass in flight writes one more token
+            self.slots.free(self.req_to_token_pool.req_to_token[req.row, req.kv_len : req.kv_len + 1].clone())
         if self.prefix_cache is not None:
             self.prefix_cache.insert((req.prompt_ids + req.output_ids)[: req.kv_len], kv_slots)
             self.prefix_cache.unlock(req.prefix_node)

@@ -33,6 +33,16 @@ def batch_bucket(bs: int) -> int:
     return 1 << (bs - 1).bit_length() if bs <= 8 else -(-bs // 8) * 8
 
 
+def to_device(values: list, dtype: torch.dtype, device) -> torch.Tensor:
+    """A host list as a tensor on `device`, without making the host wait for the GPU. torch copies
+    from ordinary (pageable) host memory only after all work queued on the GPU is done, so the
+    host could not build the next decode pass while the GPU runs this one (engine.py, overlap);
+    a copy from pinned (page-locked) memory is queued behind that work instead, like a kernel."""
+    if torch.device(device).type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 @dataclass
 class ForwardBatch:
     is_decode: bool
@@ -64,7 +74,7 @@ class ForwardBatch:
         seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
 
         def dev(x, dtype=torch.int32):
-            return torch.tensor(x, dtype=dtype, device=device)
+            return to_device(x, dtype, device)
 
         return cls(
             is_decode=False,
@@ -82,16 +92,17 @@ class ForwardBatch:
         )
 
     @classmethod
-    def decode(cls, input_ids: list[int], seq_lens: list[int], req_pool_indices: list[int],
+    def decode(cls, input_ids: list[int] | torch.Tensor, seq_lens: list[int], req_pool_indices: list[int],
                out_cache_loc: torch.Tensor, device) -> "ForwardBatch":
-        """seq_lens include the new token, whose position is seq_len - 1."""
+        """input_ids may already be on the device (the tokens the pass before sampled there);
+        seq_lens include the new token, whose position is seq_len - 1."""
         return cls(
             is_decode=True,
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
-            positions=torch.tensor([n - 1 for n in seq_lens], dtype=torch.int64, device=device),
+            input_ids=input_ids if isinstance(input_ids, torch.Tensor) else to_device(input_ids, torch.int64, device),
+            positions=to_device([n - 1 for n in seq_lens], torch.int64, device),
             out_cache_loc=out_cache_loc,
-            req_pool_indices=torch.tensor(req_pool_indices, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            req_pool_indices=to_device(req_pool_indices, torch.int32, device),
+            seq_lens=to_device(seq_lens, torch.int32, device),
             seq_lens_cpu=list(seq_lens),
         )
 

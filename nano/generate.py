@@ -92,6 +92,8 @@ def add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--cuda-graph-max-bs", type=int, default=None,
                    help="largest decode batch captured as a CUDA graph (default: --max-running-requests)")
     p.add_argument("--disable-radix-cache", action="store_true", help="compute every prompt in full")
+    p.add_argument("--disable-overlap", action="store_true",
+                   help="book each decode pass's tokens before launching the next")
     p.add_argument("--chunked-prefill-size", type=int, default=8192,
                    help="most prompt tokens one prefill step computes; longer prompts take several (0 or -1: off)")
     p.add_argument("--tp-size", type=int, default=1, help="tensor parallelism: split the model over this many GPUs")
@@ -179,7 +181,7 @@ def engine_from_args(args, model_dir: Path):
         max_requests=args.max_running_requests, context_length=args.context_length,
         use_mla=not args.disable_mla, cuda_graph=cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
         radix_cache=not args.disable_radix_cache, chunked_prefill_size=args.chunked_prefill_size,
-        tp_size=args.tp_size,
+        tp_size=args.tp_size, overlap=not args.disable_overlap,
     )
 
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nano.forward_batch import to_device
+
 
 @dataclass
 class SamplingParams:
@@ -41,14 +43,14 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list)
     if all(p.temperature == 0 for p in params):
         return greedy
     device = logits.device
-    temperature = torch.tensor([p.temperature or 1.0 for p in params], device=device)
+    temperature = to_device([p.temperature or 1.0 for p in params], torch.float32, device)
     probs = torch.softmax(logits / temperature[:, None], dim=-1)
     probs = _top_k_top_p(probs, params)
     race = torch.empty_like(probs)
     for row, gen in enumerate(generators):
         race[row].exponential_(generator=gen)
     sampled = (probs / race).argmax(dim=-1)
-    is_greedy = torch.tensor([p.temperature == 0 for p in params], device=device)
+    is_greedy = to_device([p.temperature == 0 for p in params], torch.bool, device)
     return torch.where(is_greedy, greedy, sampled)
 
 
@@ -56,8 +58,8 @@ def _top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
     if all(p.top_k == 0 and p.top_p >= 1 for p in params):
         return probs
     device, vocab = probs.device, probs.shape[-1]
-    top_k = torch.tensor([p.top_k or vocab for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], device=device)
+    top_k = to_device([p.top_k or vocab for p in params], torch.int64, device)
+    top_p = to_device([p.top_p for p in params], torch.float32, device)
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=device)
     # keep a token if it is within the top k and the probability mass before it is below p

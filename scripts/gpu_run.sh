@@ -7,7 +7,7 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/nano_out}; mkdir -p "$OUT"
-parts="${*:-tests bench-llama bench-deepseek bench-attention profile throughput serve tune-moe prefix}"
+parts="${*:-tests bench-llama bench-deepseek overlap bench-attention profile throughput serve tune-moe prefix}"
 want() { [[ " $parts " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
@@ -16,6 +16,13 @@ sweep="--batch-size 1 8 32 64 128 160 --input-len 128 --output-len 16"
 want tests && python3 -m pytest -q -rsP tests 2>&1 | tee "$OUT/pytest.log" | tail -25
 want bench-llama && python3 -m nano.bench_latency --model llama-3-8b --load-format dummy $sweep 2>&1 | tee "$OUT/bench_llama.log"
 want bench-deepseek && python3 -m nano.bench_latency --model deepseek-v2-lite --load-format dummy $sweep 2>&1 | tee "$OUT/bench_deepseek.log"
+if want overlap; then  # decode passes overlapped (the default) against one at a time
+  for model in llama-3-8b deepseek-v2-lite; do
+    for flag in "" --disable-overlap; do
+      python3 -m nano.bench_latency --model $model --load-format dummy --batch-size 1 64 --input-len 128 --output-len 32 $flag
+    done
+  done 2>&1 | tee "$OUT/overlap.log"
+fi
 want bench-attention && python3 scripts/bench_attention.py 2>&1 | tee "$OUT/bench_attention.log"
 if want profile; then
   for model in llama-3-8b deepseek-v2-lite; do

@@ -3,7 +3,8 @@
 # whose files come back. Parts (default: all): tests, allreduce, bench-8b, bench-lite, bench-70b.
 #   tests      tests/test_tp.py: the CPU tests, and CUDA graphs == eager at tp 2 (8B and V2-Lite shapes)
 #   allreduce  NCCL all-reduce latency at decode sizes, eager and in a CUDA graph
-#   bench-8b   Llama-3-8B batch-1 decode at tp 1 and tp 2 (target: tp 2 <= 0.6 x tp 1)
+#   bench-8b   Llama-3-8B batch-1 decode at tp 1 and tp 2 (target: tp 2 <= 0.6 x tp 1), tp 2 also
+#              without overlap and without graphs
 #   bench-lite DeepSeek-V2-Lite likewise
 #   bench-70b  Llama-3-70B (Llama-3.1 shape) batch-1 decode at tp 2 (141 GB of bf16: two GPUs' worth)
 # Batch-1 runs capture one CUDA graph (--cuda-graph-max-bs 1) to save start-up time; the graph of
@@ -31,7 +32,8 @@ if [[ $whats == all || $whats == *allreduce* ]]; then
   python3 scripts/tp_allreduce.py 2 2>&1 | tee "$OUT/tp_allreduce.log"
 fi
 if [[ $whats == all || $whats == *bench-8b* ]]; then
-  { bench llama-3-8b 1; bench llama-3-8b 2; bench llama-3-8b 2 --disable-cuda-graph; } 2>&1 | tee "$OUT/tp_bench_8b.log"
+  { bench llama-3-8b 1; bench llama-3-8b 2; bench llama-3-8b 2 --disable-overlap; bench llama-3-8b 2 --disable-cuda-graph; } \
+    2>&1 | tee "$OUT/tp_bench_8b.log"
 fi
 if [[ $whats == all || $whats == *bench-lite* ]]; then
   { bench deepseek-v2-lite 1; bench deepseek-v2-lite 2; } 2>&1 | tee "$OUT/tp_bench_lite.log"

@@ -355,7 +355,9 @@ def test_engine_exception_fails_its_requests_with_500_and_serving_goes_on(tiny_m
         assert status == 500 and reply["error"]["type"] == "server_error"
         assert "RuntimeError" in reply["error"]["message"] and "injected" not in reply["error"]["message"]
 
-        passes["fail_at"] = passes["done"] + 3  # a decode step: two tokens out, then the error
+        # a decode pass: two tokens out (the prefill's, and the first decode pass's, handed out by the
+        # step that launches the second while the GPU would run it), then the error of the third
+        passes["fail_at"] = passes["done"] + 4
         events = asyncio.run(read_stream_once(url, "/v1/completions", body))
         assert [len(e["choices"]) for e in events[:2]] == [1, 1]
         assert events[2]["error"]["type"] == "server_error" and events[3:] == ["[DONE]"]
