@@ -103,7 +103,9 @@ class MLAttention(nn.Module):
         q_lat = torch.einsum("thn,hnc->thc", q_nope, w_uk)  # [T, H, 512]
         query = torch.cat([q_lat, q_pe], dim=-1)  # [T, H, 576]; key [T, 1, 576] is the cached row
         o_lat = attn.forward(query, key, None, self.layer_id, batch, self.scale)  # [T, H, 512]
-        return torch.einsum("thc,hvc->thv", o_lat, w_uv)  # [T, H, 128]
+        out = o_lat.new_empty(o_lat.shape[0], self.num_heads, self.v_dim)  # [T, H, 128]: o_proj's input rows
+        torch.bmm(o_lat.transpose(0, 1), w_uv.mT, out=out.transpose(0, 1))  # head by head, straight into them
+        return out
 
     def _attend_expanded(self, q_nope, q_pe, c, k_pe, batch, attn):
         num_tokens = c.shape[0]
@@ -177,7 +179,7 @@ class MoE(nn.Module):
     def forward(self, x):
         weights, ids = self.route(x)
         routed = getattr(self, self.form(x.shape[0], x.is_cuda))(x, weights, ids)  # a method per form
-        return routed if self.shared_experts is None else routed + self.shared_experts(x)
+        return routed if self.shared_experts is None else self.shared_experts(x, add=routed)
 
     def matvec(self, x, weights, ids):
         from nano.moe_kernels import expert_matvec  # Triton kernels: imported where they run, as in model.py

@@ -10,7 +10,8 @@ and writes the KV cache. Everything else is per token and does not care which re
 Three things make the code below differ from a training implementation:
 - fused projections: q/k/v are one matmul (`qkv_proj`) and gate/up are one (`gate_up_proj`), so a
   decode step launches fewer, larger kernels. The loader writes each checkpoint tensor into its
-  rows of the fused weight.
+  rows of the fused weight. What follows works on views into that output where it can: rope
+  rotates q and k in place.
 - each residual add is fused into the RMSNorm that follows it (`add_and_norm`, one kernel on the
   GPU: triton_ops.py), so a layer hands on its output and the residual stream separately.
 - only the last token of each request gets logits: that is all sampling needs.
@@ -43,8 +44,9 @@ class Linear(nn.Module):
         self.stacked = stacked
         self.weight = nn.Parameter(torch.empty(sum(self.output_sizes), in_features, dtype=dtype), requires_grad=False)
 
-    def forward(self, x):
-        return F.linear(x, self.weight)
+    def forward(self, x, add=None):
+        """x [T, in] -> x W^T [T, out], plus `add` when given, in the same kernel (the matmul's epilogue)."""
+        return F.linear(x, self.weight) if add is None else torch.addmm(add, x, self.weight.mT)
 
 
 class RMSNorm(nn.Module):
@@ -81,14 +83,15 @@ class SwiGLU(nn.Module):
         self.gate_up_proj = Linear(hidden, [intermediate, intermediate], stacked=("gate_proj", "up_proj"))
         self.down_proj = Linear(intermediate, hidden)
 
-    def forward(self, x):
+    def forward(self, x, add=None):
+        """-> the MLP's output, plus `add` when given (DeepSeek adds its routed experts' output)."""
         gate_up = self.gate_up_proj(x)  # [T, 2I]
         if x.is_cuda:
             from nano.triton_ops import silu_and_mul
 
-            return self.down_proj(silu_and_mul(gate_up))
+            return self.down_proj(silu_and_mul(gate_up), add)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate) * up, add)
 
 
 class LlamaAttention(nn.Module):

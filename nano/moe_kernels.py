@@ -24,7 +24,9 @@ tile, which it sums along K once at the end (a GEMV: `tl.dot` wants at least 16 
 and decode has one per pair). The pair is the grid's first, fastest-varying axis, so the programs
 running side by side are all the pairs at the same few row blocks: pairs that chose the same
 expert read the same tile at about the same time, and some of the repeats hit in L2. Only some:
-past about as many pairs as experts, the grouped matmul below is cheaper.
+past about as many pairs as experts, the grouped matmul below is cheaper. In the down projection
+each program also multiplies its outputs by the pair's routing weight, so a token's MoE output is
+the plain sum of its k rows: no separate kernels to cast the weights and weigh the rows.
 
 Sizing for bf16 (hidden 2048, expert width 1408): 8 bf16 values are one 16-byte
 load, so a warp covers BLOCK_K = 256 columns of a row; BLOCK_N = 32 rows over 4 warps give each
