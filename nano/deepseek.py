@@ -179,7 +179,7 @@ class MoE(nn.Module):
     def forward(self, x):
         weights, ids = self.route(x)
         routed = getattr(self, self.form(x.shape[0], x.is_cuda))(x, weights, ids)  # a method per form
-        return routed if self.shared_experts is None else self.shared_experts(x, add=routed)
+        return routed if self.shared_experts is None else routed + self.shared_experts(x)
 
     def matvec(self, x, weights, ids):
         from nano.moe_kernels import expert_matvec  # Triton kernels: imported where they run, as in model.py

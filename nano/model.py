@@ -44,9 +44,8 @@ class Linear(nn.Module):
         self.stacked = stacked
         self.weight = nn.Parameter(torch.empty(sum(self.output_sizes), in_features, dtype=dtype), requires_grad=False)
 
-    def forward(self, x, add=None):
-        """x [T, in] -> x W^T [T, out], plus `add` when given, in the same kernel (the matmul's epilogue)."""
-        return F.linear(x, self.weight) if add is None else torch.addmm(add, x, self.weight.mT)
+    def forward(self, x):
+        return F.linear(x, self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -83,15 +82,14 @@ class SwiGLU(nn.Module):
         self.gate_up_proj = Linear(hidden, [intermediate, intermediate], stacked=("gate_proj", "up_proj"))
         self.down_proj = Linear(intermediate, hidden)
 
-    def forward(self, x, add=None):
-        """-> the MLP's output, plus `add` when given (DeepSeek adds its routed experts' output)."""
+    def forward(self, x):
         gate_up = self.gate_up_proj(x)  # [T, 2I]
         if x.is_cuda:
             from nano.triton_ops import silu_and_mul
 
-            return self.down_proj(silu_and_mul(gate_up), add)
+            return self.down_proj(silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up, add)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaAttention(nn.Module):

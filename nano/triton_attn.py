@@ -58,12 +58,6 @@ from nano.triton_ops import dot_precision
 # buffers: max_batch_size * heads * 64 * v_dim floats (Llama-3-8B at 160 requests: 168 MB; MLA:
 # 336 MB). One long request needs many splits to keep every multiprocessor reading.
 MAX_KV_SPLITS = 64
-# A split that reads less than this (per KV head) costs more in writing and merging its partial
-# output than it gains: 128 tokens of Llama's K+V, 56 of MLA's 576-wide rows.
-MIN_BYTES_PER_SPLIT = 64 << 10
-# Decode stage 1 aims for this many programs per multiprocessor: one program streams its tokens
-# tile after dependent tile (slot, then K, then V), so many must be in flight to fill the memory bus.
-PROGRAMS_PER_SM = 8
 # One program of decode stage 1 serves all query heads of a KV head, padded to one 16-row tile.
 MAX_GROUP = 16
 LOG2E = 1.4426950408889634
@@ -83,9 +77,10 @@ class TritonAttnBackend:
             num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         else:  # the interpreter: behave as on an H200, so CPU tests split like the GPU does
             num_sms = 132
-        self.target_programs = PROGRAMS_PER_SM * num_sms
-        token_bytes = (self.k_dim + (0 if kv_pool.use_mla else self.v_dim)) * kv_pool.k_buffers[0].element_size()
-        self.min_split_tokens = max(1, MIN_BYTES_PER_SPLIT // token_bytes)  # per KV head
+        # A split reads at least one tile of tokens: a shorter one costs more in writing and
+        # merging its partial output than it gains.
+        self.min_split_tokens, _, _, programs_per_sm = _decode_config(self.k_dim)
+        self.target_programs = programs_per_sm * num_sms
         # Decode buffers, allocated once at their largest and sliced per batch (CUDA-graph safe).
         self.num_kv_splits = torch.ones(max_batch_size, dtype=torch.int32, device=device)
         f32 = dict(dtype=torch.float32, device=device)
@@ -109,7 +104,7 @@ class TritonAttnBackend:
         does not fill the GPU. It depends only on the batch's bucket (forward_batch.py), so a
         captured graph stays valid, a padded batch splits exactly like the same batch run eagerly,
         and the decode grid, sized by the cap, launches no programs that could never have work."""
-        return max(1, min(self.max_kv_splits, triton.cdiv(self.target_programs, batch_bucket(bs) * self.num_kv_heads)))
+        return max(1, min(self.max_kv_splits, self.target_programs // (batch_bucket(bs) * self.num_kv_heads)))
 
     def forward(self, q, k, v, layer_id: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
         """q [T, H, k_dim], k [T, Hkv, k_dim], v [T, Hkv, v_dim] (None for MLA) -> [T, H, v_dim]."""
@@ -162,7 +157,7 @@ class TritonAttnBackend:
         max_splits = self.split_cap(bs)
         merge_block = triton.next_power_of_2(max_splits)  # the merge loads all splits as one block
         dims = _head_dim_blocks(self.k_dim, self.v_dim)
-        block_n, num_warps, num_stages = _decode_config(self.k_dim)
+        block_n, num_warps, num_stages, _ = _decode_config(self.k_dim)
         _decode_split_kernel[(bs, self.num_kv_heads, max_splits)](
             q, k_cache, v_cache, self.partial_out, self.partial_lse,
             self.req_to_token, batch.req_pool_indices, batch.seq_lens, self.num_kv_splits,
@@ -202,17 +197,23 @@ def _extend_config(k_dim: int) -> tuple[int, int, int, int]:
     return 32, 32, 8, 2  # MLA's 576-wide keys: a [32, 512] fp32 accumulator is already large
 
 
-def _decode_config(k_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) for decode stage 1: the fastest of those tried on an H200
-    (scripts/bench_attention.py) for 128-wide heads and for MLA."""
+def _decode_config(k_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, num_warps, num_stages, programs per multiprocessor) for decode stage 1: the
+    fastest of those tried on an H200 (scripts/bench_attention.py, scripts/tune_mla_decode.py)."""
     # Each stage holds a K and a V tile in shared memory (at most about 227 KB): 128 tokens of
     # 128-wide heads, 3 deep, is 192 KB; 192-wide keys take 64 tokens to fit; MLA's 576-wide rows
-    # take 32 tokens, 2 deep (16 or 64 tokens, 8 warps or 3 stages measured slower there).
+    # take 32 tokens (16 or 64 measured slower).
+    # The last number sizes the split cap (`split_cap`): the batch's programs should fill the GPU.
+    # A program streams its tokens tile after dependent tile (slot, then K, then V), so 128-wide
+    # heads aim at 8 programs per multiprocessor: several waves, where a partial last wave costs
+    # little. MLA's programs are fewer and longer; two run on a multiprocessor at a time, and the
+    # split count fills exactly one wave of them: a partial second wave would take as long as a
+    # full one (at batch 128 and 16k tokens, 2 splits ran in 791 us, 3 splits in 1,038 us).
     if k_dim <= 128:
-        return 128, 4, 3
+        return 128, 4, 3, 8
     if k_dim <= 256:
-        return 64, 4, 3
-    return 32, 4, 2
+        return 64, 4, 3, 8
+    return 32, 4, 3, 2
 
 
 # ---- storing new K/V ----

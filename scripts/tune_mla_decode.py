@@ -2,7 +2,7 @@
 
 The MLA decode kernel (triton_attn.py) serves 16 query heads from one 576-wide latent row per
 token. Two knobs set its speed: how many programs the batch is split into (the backend's
-`target_programs`, PROGRAMS_PER_SM per multiprocessor, which sets the split cap), and the
+`target_programs`: programs per multiprocessor, which set the split cap), and the
 kernel's tile (`_decode_config`: tokens per tile, warps, pipeline stages); at batch 1 and short
 context the floor on a split's length (`min_split_tokens`) sets the split count. Each split also writes
 a [16, 512] float32 partial output (32 KB) that the merge reads back, so splits cost bytes as well
@@ -31,9 +31,10 @@ TILES = [(32, 4, 2), (32, 4, 3), (64, 4, 2), (16, 4, 2)]  # BLOCK_N, warps, stag
 
 def main():
     copy_gbps = measure_copy_bandwidth("cuda") / 1e9
-    # the current choice at batch > 1 (programs per SM) and at batch 1 (min split tokens: 64 KB of rows)
-    current = ((triton_attn.PROGRAMS_PER_SM, triton_attn._decode_config(576)),
-               (triton_attn.MIN_BYTES_PER_SPLIT // (576 * 2), triton_attn._decode_config(576)))
+    # the current choice at batch > 1 (programs per SM) and at batch 1 (min split tokens: one tile)
+    block_n, num_warps, num_stages, per_sm = triton_attn._decode_config(576)
+    tile = (block_n, num_warps, num_stages)
+    current = ((per_sm, tile), (block_n, tile))
     knob_name = ("programs/SM", "min split tokens")
     num_sms = torch.cuda.get_device_properties("cuda").multi_processor_count
     print(f"MLA decode, bf16, {torch.cuda.get_device_name()}, copy {copy_gbps:.0f} GB/s; current: "
@@ -46,7 +47,7 @@ def main():
         results = []
         knob = MIN_SPLIT_TOKENS if batch_size == 1 else PROGRAMS_PER_SM
         for value, tile in itertools.product(knob, TILES):
-            triton_attn._decode_config = lambda k_dim, tile=tile: tile if k_dim > 256 else original(k_dim)
+            triton_attn._decode_config = lambda k_dim, tile=tile: (*tile, per_sm) if k_dim > 256 else original(k_dim)
 
             def configure(backend, value=value):
                 if batch_size == 1:

@@ -196,8 +196,8 @@ def test_decode(shape, dtype):
 
 @interpreted
 def test_decode_with_most_splits():
-    # 4100 tokens of 1 KB (K+V, fp32): 64 splits of 65 tokens, one tile and a one-token tile each
-    check(Shape(8, 1, 128, 128), torch.float32, "cpu", [4099], [1], decode=True, seed=2)
+    # 8196 tokens: 64 splits of 129, each a whole 128-token tile and a one-token tile
+    check(Shape(8, 1, 128, 128), torch.float32, "cpu", [8195], [1], decode=True, seed=2)
 
 
 def test_num_kv_splits_grow_with_length_and_shrink_with_batch():
@@ -206,13 +206,20 @@ def test_num_kv_splits_grow_with_length_and_shrink_with_batch():
     scene = build_scene(shape, torch.float16, "cpu", [n - 1 for n in seq_lens], [1] * 5, decode=True)
     backend = scene.triton_backend(max_batch_size=256)
     backend.init_forward_metadata(scene.batch)
-    # one split per 128 tokens (64 KB of fp16 K+V), capped at 8 * 132 SM programs / (8 * 8) = 17:
+    # one split per 128-token tile, capped at 8 * 132 SM programs // (8 * 8 KV heads) = 16:
     # the batch of 5 counts as 8, the power of two a CUDA graph would pad it to at most
-    assert backend.num_kv_splits[:5].tolist() == [1, 1, 2, 8, 17]
+    assert backend.num_kv_splits[:5].tolist() == [1, 1, 2, 8, 16]
 
     many = ForwardBatch.decode([0] * 256, [5000] * 256, [0] * 256, torch.zeros(256, dtype=torch.int32), "cpu")
     backend.init_forward_metadata(many)
     assert backend.num_kv_splits.tolist() == [1] * 256  # 256 * 8 programs fill the GPU twice over
+
+    # MLA: one 32-token tile a split at least, and splits that fill one wave of 2 * 132 programs
+    mla = build_scene(Shape(16, 1, 576, 512, mla=True), torch.float16, "cpu", [n - 1 for n in seq_lens], [1] * 5,
+                      decode=True).triton_backend(max_batch_size=256)
+    mla.init_forward_metadata(scene.batch)
+    assert mla.num_kv_splits[:5].tolist() == [1, 4, 5, 32, 33]  # cap 264 // 8 = 33
+    assert [mla.split_cap(bs) for bs in (1, 32, 128, 160)] == [64, 8, 2, 1]
 
 
 # ---------------------------------------------------------------- GPU, real sizes, bfloat16
