@@ -7,7 +7,7 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/nano_out}; mkdir -p "$OUT"
-parts="${*:-tests bench-llama bench-deepseek overlap bench-attention profile throughput serve tune-moe prefix}"
+parts="${*:-tests bench-llama bench-deepseek overlap bench-attention tune-mla profile throughput serve tune-moe prefix}"
 want() { [[ " $parts " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
@@ -24,6 +24,7 @@ if want overlap; then  # decode passes overlapped (the default) against one at a
   done 2>&1 | tee "$OUT/overlap.log"
 fi
 want bench-attention && python3 scripts/bench_attention.py 2>&1 | tee "$OUT/bench_attention.log"
+want tune-mla && python3 scripts/tune_mla_decode.py 2>&1 | tee "$OUT/tune_mla.log"
 if want profile; then
   for model in llama-3-8b deepseek-v2-lite; do
     for bs in 1 8 64 160; do python3 scripts/profile_decode.py $model $bs; done
