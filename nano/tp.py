@@ -31,8 +31,9 @@ MLP) and reads only its block of each checkpoint tensor (`checkpoint_shard`, loa
   o_proj's columns. The latent c and the rope key k_pe are shared by all heads, and every score is
   a dot product over all 576 of their channels; splitting them would need an all-reduce inside
   attention. So, as SGLang does, kv_a_proj (576 x hidden, small; its rows of the matmul it shares
-  with q_proj or q_a_proj) and the latent cache (576 values per token) are replicated: every rank computes and stores the same latent and reads it all. The
-  price: splitting over more GPUs does not let more tokens fit in the cache.
+  with q_proj or q_a_proj) and the latent cache (576 values per token) are replicated: every rank
+  computes and stores the same latent and reads it all. The price: splitting over more GPUs does
+  not let more tokens fit in the cache.
 - MoE: each expert's width is split (its gate/up rows, its down columns), not the experts
   themselves. Every rank routes every token (the router is replicated and sees the same hidden
   states, so all ranks choose alike) and runs the chosen experts on its slice; the routed sum is a

@@ -208,7 +208,7 @@ def _decode_config(k_dim: int) -> tuple[int, int, int, int]:
     # heads aim at 8 programs per multiprocessor: several waves, where a partial last wave costs
     # little. MLA's programs are fewer and longer; two run on a multiprocessor at a time, and the
     # split count fills exactly one wave of them: a partial second wave would take as long as a
-    # full one (at batch 128 and 16k tokens, 2 splits ran in 791 us, 3 splits in 1,038 us).
+    # full one (BENCHMARKS.md has the measurements).
     if k_dim <= 128:
         return 128, 4, 3, 8
     if k_dim <= 256:
