@@ -205,5 +205,8 @@ def test_ctrl_c_exits_130_without_traceback(smollm2_dir, when):
             assert proc.poll() is None, proc.stderr.read()
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 130, stderr
+    # CPython remembers a KeyboardInterrupt that lands inside eval() (collections.namedtuple calls it
+    # while torch imports) and, though `cli` catches it, ends the process by SIGINT on the way out
+    # instead of exit(130). A shell reports both as status 130; an uncaught one would print a traceback.
+    assert proc.returncode in (130, -signal.SIGINT), stderr
     assert "Traceback" not in stderr, stderr
