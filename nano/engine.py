@@ -68,10 +68,12 @@ from nano.tp import TensorParallel, launch, parallelize, shard_config
 class DecodePass:
     """A decode pass whose sampled tokens are still on their way to the host."""
     reqs: list["Request"]
-    rids: set[int]
     tokens: torch.Tensor  # [B] int64 on the device: the next pass's input ids
     host_tokens: torch.Tensor  # [B] int64 on the host, once `copied` has happened
     copied: torch.cuda.Event | None  # None on CPU, where the copy is done at once
+
+    def __post_init__(self):
+        self.rids = {r.rid for r in self.reqs}  # the requests with a token on the device, not yet booked
 
 
 @dataclass
@@ -316,19 +318,19 @@ class Engine:
         """Launch a decode pass over the running requests, then book the pass before it, which the
         GPU has finished or nearly (see the lesson: overlap)."""
         prev = self.in_flight
-        pending = prev.rids if prev else set()  # requests with a token on the device, not yet booked
+        pending = prev.rids if prev else set()
         # one whose budget the pass in flight uses up sits this one out
         reqs = [r for r in self.running if len(r.output_ids) + (r.rid in pending) < r.params.max_new_tokens]
-        self.in_flight = self._launch_decode(reqs, prev) if reqs else None
+        self.in_flight = self._launch_decode(reqs, prev, pending) if reqs else None
         events = self._retire(prev) if prev else []
         if self.in_flight and (not self.overlap or self.waiting or self.chunked):  # a prefill is next:
             events += self._retire(self.in_flight)  # hand this pass's tokens out before it
         return events
 
-    def _launch_decode(self, reqs: list[Request], prev: DecodePass | None) -> DecodePass:
+    def _launch_decode(self, reqs: list[Request], prev: DecodePass | None, pending: set[int]) -> DecodePass:
         """A pass whose input ids are the pass in flight's tokens, still on the device, for the
-        requests it holds (their new token sits one position further than the host has counted)."""
-        pending = prev.rids if prev else set()
+        requests it holds, `pending` (their new token sits one position further than the host has
+        counted)."""
         slots = self._alloc_slots(len(reqs))
         seq_lens = [r.num_tokens + (r.rid in pending) for r in reqs]  # the new token's position is seq_len - 1
         if prev is None:
@@ -336,8 +338,8 @@ class Engine:
         elif len(reqs) == len(prev.reqs):  # the same requests in the same order
             input_ids = prev.tokens
         else:
-            rids = {r.rid for r in reqs}
-            input_ids = prev.tokens[to_device([i for i, r in enumerate(prev.reqs) if r.rid in rids], torch.int64,
+            kept = {r.rid for r in reqs}
+            input_ids = prev.tokens[to_device([i for i, r in enumerate(prev.reqs) if r.rid in kept], torch.int64,
                                               self.device)]
         batch = ForwardBatch.decode(input_ids, seq_lens, [r.row for r in reqs], slots, self.device)
         self.req_to_token_pool.req_to_token[batch.req_pool_indices, batch.positions] = slots
@@ -347,12 +349,12 @@ class Engine:
         """Sample on the device and start copying the tokens to the host, without waiting for them."""
         tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         if not tokens.is_cuda:
-            return DecodePass(reqs, {r.rid for r in reqs}, tokens, tokens, None)
+            return DecodePass(reqs, tokens, tokens, None)
         host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host_tokens.copy_(tokens, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        return DecodePass(reqs, {r.rid for r in reqs}, tokens, host_tokens, copied)
+        return DecodePass(reqs, tokens, host_tokens, copied)
 
     def _retire(self, done: DecodePass) -> list[tuple[Request, int]]:
         """Book a decode pass's tokens: each request gets its token, and those that are done leave."""
