@@ -21,7 +21,6 @@ a prefix cache can save), or a JSONL file with a `prompt` (text or token ids) an
 `output_len` per line. `ignore_eos` makes every request generate exactly its output length.
 """
 
-import argparse
 import asyncio
 import json
 import random
@@ -31,6 +30,8 @@ import time
 from dataclasses import dataclass, field
 
 import aiohttp
+
+from nano.generate import ArgumentParser, UsageError, cli
 
 
 @dataclass
@@ -63,10 +64,15 @@ def make_prompts(args, vocab_size: int) -> list[tuple[str | list[int], int]]:
     if args.dataset == "shared-prefix":
         prefix = tokens(args.shared_prefix_len)
         return [(prefix + tokens(args.suffix_len), output_len()) for _ in range(args.num_prompts)]
-    with open(args.dataset) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    rows = (rows * (args.num_prompts // max(len(rows), 1) + 1))[: args.num_prompts]  # cycle through the file
-    return [(row["prompt"], row.get("output_len", args.random_output_len)) for row in rows]
+    try:
+        with open(args.dataset) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        rows = [(row["prompt"], row.get("output_len", args.random_output_len)) for row in rows]
+    except (OSError, ValueError, KeyError, TypeError) as e:  # TypeError: a line that is no JSON object
+        raise UsageError(f"--dataset {args.dataset}: not a JSONL file with a prompt per line ({e!r})") from None
+    if not rows:
+        raise UsageError(f"--dataset {args.dataset} has no prompts")
+    return (rows * (args.num_prompts // len(rows) + 1))[: args.num_prompts]  # cycle through the file
 
 
 async def send(session, url: str, model: str, prompt, output_len: int) -> Result:
@@ -106,7 +112,7 @@ async def send(session, url: str, model: str, prompt, output_len: int) -> Result
     return result
 
 
-async def run(session, args, prompts, model: str) -> tuple[list[Result], float]:
+async def send_all(session, args, prompts, model: str) -> tuple[list[Result], float]:
     rng = random.Random(args.seed)
     limit = asyncio.Semaphore(args.max_concurrency or len(prompts))
 
@@ -170,8 +176,8 @@ def percentile(values: list[float], q: float) -> float:
     return ranked[min(int(len(ranked) * q / 100), len(ranked) - 1)]
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m nano.bench_serving", description=__doc__.split("\n")[0])
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="python -m nano.bench_serving", description=__doc__.split("\n")[0])
     p.add_argument("--base-url", default="http://127.0.0.1:30000")
     p.add_argument("--api-key", help="sent as Authorization: Bearer KEY")
     p.add_argument("--num-prompts", type=int, default=1000)
@@ -186,14 +192,21 @@ def main(argv=None):
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second (inf: all at once)")
     p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
     p.add_argument("--seed", type=int, default=1)
-    args = p.parse_args(argv)
+    return p
+
+
+def run(args):
     if args.random_output_range_ratio is None:
         args.random_output_range_ratio = args.random_range_ratio
     if args.num_prompts < 1 or args.request_rate <= 0 or not (
             0 <= args.random_range_ratio <= 1 and 0 <= args.random_output_range_ratio <= 1):
-        p.error("--num-prompts and --request-rate must be > 0, the range ratios in [0, 1]")
+        raise UsageError("--num-prompts and --request-rate must be > 0, the range ratios in [0, 1]")
     args.base_url = args.base_url.rstrip("/")
     asyncio.run(benchmark(args))
+
+
+def main(argv=None):
+    cli(build_parser, run, argv)  # one-line errors, exit 2; Ctrl-C exits 130
 
 
 async def benchmark(args):
@@ -201,17 +214,20 @@ async def benchmark(args):
     # one connection per request in flight: aiohttp's default pool of 100 would queue the rest
     async with aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=0),
                                      timeout=aiohttp.ClientTimeout(total=None)) as session:
-        async with session.get(args.base_url + "/v1/models") as resp:
-            if resp.status != 200:
-                sys.exit(f"error: GET /v1/models: HTTP {resp.status}: {await resp.text()}")
-            card = (await resp.json())["data"][0]
+        try:
+            async with session.get(args.base_url + "/v1/models") as resp:
+                if resp.status != 200:
+                    raise UsageError(f"GET /v1/models: HTTP {resp.status}: {await resp.text()}")
+                card = (await resp.json())["data"][0]
+        except aiohttp.ClientError as e:
+            raise UsageError(f"no server answers at {args.base_url} ({e})") from None
         prompts = make_prompts(args, card["vocab_size"])
         # one request first, untimed: the first prefill and decode may compile kernels
         print(f"model {card['id']}: one warm-up request, then {len(prompts)} timed ...", file=sys.stderr)
         warmup = await send(session, args.base_url, card["id"], *prompts[0])
         if not warmup.ok:
-            sys.exit(f"error: the warm-up request failed: {warmup.error}")
-        results, duration = await run(session, args, prompts, card["id"])
+            raise UsageError(f"the warm-up request failed: {warmup.error}")
+        results, duration = await send_all(session, args, prompts, card["id"])
     report(args, results, duration)
 
 

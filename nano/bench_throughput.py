@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from nano.generate import ArgumentParser, add_engine_args, cli, engine_from_args, resolve_model_or_shape
+from nano.generate import ArgumentParser, UsageError, add_engine_args, cli, engine_from_args, resolve_model_or_shape
 from nano.sampling import SamplingParams
 
 
@@ -38,7 +38,10 @@ def random_requests(num: int, input_range: tuple[int, int], output_range: tuple[
 def run_nano(engine, requests) -> tuple[int, float]:
     """-> (output tokens, seconds) for all requests queued at once."""
     for prompt, n_out in requests:
-        engine.add_request(prompt, SamplingParams(max_new_tokens=n_out, ignore_eos=True))
+        try:
+            engine.add_request(prompt, SamplingParams(max_new_tokens=n_out, ignore_eos=True))
+        except ValueError as e:
+            raise UsageError(f"a request of {len(prompt)} prompt and {n_out} output tokens: {e}") from None
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     started, produced = time.perf_counter(), 0
@@ -77,6 +80,11 @@ def build_parser() -> ArgumentParser:
 
 
 def run(args):
+    if args.num_prompts < 1 or args.peer_prompts < 0:
+        raise UsageError("--num-prompts must be >= 1, --peer-prompts >= 0")
+    for flag, (low, high) in [("--input-len", args.input_len), ("--output-len", args.output_len)]:
+        if not 1 <= low <= high:
+            raise UsageError(f"{flag} {low} {high}: need 1 <= MIN <= MAX")
     engine = engine_from_args(args, model_dir := resolve_model_or_shape(args))
     requests = random_requests(args.num_prompts, args.input_len, args.output_len, engine.cfg.vocab_size, args.seed)
     run_nano(engine, random_requests(4, (16, 64), (4, 8), engine.cfg.vocab_size, args.seed + 1))  # warm-up

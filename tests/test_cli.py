@@ -163,6 +163,18 @@ def test_bad_engine_flags(flags, fragment):
     assert_one_line_error(run_cli(*flags, module="nano.bench_latency", env=env), fragment)
 
 
+@pytest.mark.parametrize("flags, fragment", [
+    (["--num-prompts", "0"], "--num-prompts must be >= 1"),
+    (["--input-len", "500", "100"], "need 1 <= MIN <= MAX"),
+    (["--output-len", "0", "4"], "need 1 <= MIN <= MAX"),
+    (["--input-len", "9000", "9000"], "the context holds 8192"),  # found when the requests are queued
+])
+def test_bad_throughput_flags(flags, fragment):
+    result = run_cli("--model", "smollm2-135m", "--device", "cpu", "--num-prompts", "2", "--output-len", "2", "3",
+                     *flags, module="nano.bench_throughput")
+    assert_one_line_error(result, fragment)
+
+
 def test_model_larger_than_memory_fails_at_once(tmp_path):
     """Llama-3-8B in float32 needs 30 GiB: the engine says so before allocating any of it."""
     from nano.memory import free_bytes

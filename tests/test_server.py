@@ -433,3 +433,18 @@ def test_bench_serving_counts_every_token(server, tmp_path, capsys):
         assert int(rows["Total input tokens"]) == input_tokens
         assert int(rows["Total generated tokens"]) == output_tokens
         assert float(rows["Median ITL (ms)"]) > 0 and "warning" not in captured.err
+
+
+@pytest.mark.parametrize("dataset, fragment", [("missing.jsonl", "not a JSONL file"), ("no-prompt.jsonl", "not a JSONL file"),
+                                               ("not-json.jsonl", "not a JSONL file"), ("empty.jsonl", "has no prompts")])
+def test_bench_serving_bad_dataset_is_one_line(server, tmp_path, dataset, fragment):
+    for name, text in [("no-prompt.jsonl", '{"output_len": 3}\n'), ("not-json.jsonl", "Hello\n"), ("empty.jsonl", "\n")]:
+        (tmp_path / name).write_text(text)
+    result = run_cli("--base-url", server, "--api-key", API_KEY, "--dataset", str(tmp_path / dataset),
+                     module="nano.bench_serving")
+    assert_one_line_error(result, fragment)
+
+
+def test_bench_serving_without_a_server_is_one_line():
+    result = run_cli("--base-url", f"http://127.0.0.1:{free_port()}", module="nano.bench_serving")
+    assert_one_line_error(result, "no server answers at")
