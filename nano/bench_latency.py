@@ -18,6 +18,7 @@ their shares at the same time, so the floor is that share over one GPU's bandwid
 torch is imported inside the functions, not at the top: see `cli` in generate.py.
 """
 
+import math
 import statistics
 import time
 
@@ -119,6 +120,8 @@ def run(args):
 
     if min(args.batch_size) < 1 or args.input_len < 1 or args.output_len < 2:
         raise UsageError("--batch-size and --input-len must be >= 1, --output-len >= 2")
+    if args.peak_bandwidth is not None and not 0 < args.peak_bandwidth < math.inf:
+        raise UsageError(f"--peak-bandwidth must be a positive number of GB/s, got {args.peak_bandwidth}")
     if args.model is None:
         args.model = "llama-3-8b" if parse_device(args.device).type == "cuda" else "smollm2-135m"
     model_dir = resolve_model_or_shape(args)
@@ -129,8 +132,11 @@ def run(args):
     if args.max_total_tokens is None:
         args.max_total_tokens = max_bs * (args.input_len + args.output_len) + 1
     engine = engine_from_args(args, model_dir)
-    if args.input_len >= engine.context_length:
-        raise UsageError(f"--input-len {args.input_len} leaves no room in the context of {engine.context_length} tokens")
+    # every request runs its whole length, and the whole batch at once: else the timings are of something else
+    per_request, pool = args.input_len + args.output_len, engine.kv_pool.num_slots - 1
+    if per_request > engine.context_length or max_bs * per_request > pool:
+        raise UsageError(f"batch {max_bs} of {args.input_len} + {args.output_len} tokens does not fit: the context "
+                         f"holds {engine.context_length} tokens, the KV cache {pool}")
     engine.max_prefill_tokens = max_bs * args.input_len
     engine.chunked_prefill_size = 0  # the whole batch in the one prefill step this reports
     graphs = "on" if engine.graph_runner is not None else "off"

@@ -198,9 +198,12 @@ def build_parser() -> ArgumentParser:
 def run(args):
     if args.random_output_range_ratio is None:
         args.random_output_range_ratio = args.random_range_ratio
-    if args.num_prompts < 1 or args.request_rate <= 0 or not (
+    counts = [args.num_prompts, args.random_input_len, args.random_output_len, args.suffix_len,
+              1 if args.max_concurrency is None else args.max_concurrency]
+    if min(counts) < 1 or args.shared_prefix_len < 0 or not args.request_rate > 0 or not (  # NaN fails `> 0`
             0 <= args.random_range_ratio <= 1 and 0 <= args.random_output_range_ratio <= 1):
-        raise UsageError("--num-prompts and --request-rate must be > 0, the range ratios in [0, 1]")
+        raise UsageError("--num-prompts, the lengths, --max-concurrency and --request-rate must be > 0 "
+                         "(--shared-prefix-len may be 0), the range ratios in [0, 1]")
     args.base_url = args.base_url.rstrip("/")
     asyncio.run(benchmark(args))
 

@@ -87,7 +87,8 @@ def run(args):
             raise UsageError(f"{flag} {low} {high}: need 1 <= MIN <= MAX")
     engine = engine_from_args(args, model_dir := resolve_model_or_shape(args))
     requests = random_requests(args.num_prompts, args.input_len, args.output_len, engine.cfg.vocab_size, args.seed)
-    run_nano(engine, random_requests(4, (16, 64), (4, 8), engine.cfg.vocab_size, args.seed + 1))  # warm-up
+    shortest = (args.input_len[0],) * 2, (min(args.output_len[0], 8),) * 2  # a warm-up that fits where they do
+    run_nano(engine, random_requests(4, *shortest, engine.cfg.vocab_size, args.seed + 1))
     for key in engine.stats:
         engine.stats[key] = 0
     tokens, seconds = run_nano(engine, requests)

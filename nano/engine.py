@@ -147,12 +147,14 @@ class Engine:
         if self.tp is not None:  # every rank's pool must have every slot rank 0 hands out
             num_slots = self.tp.min_over_ranks(num_slots)
         self.kv_pool = KVPool(shard_cfg, num_slots, dtype, self.device, self.use_mla)
+        self.context_length = min(self.context_length, num_slots - 1)  # no request holds more than the pool
         self.req_to_token_pool = ReqToTokenPool(max_requests, self.context_length, self.device)
         self.slots = SlotAllocator(num_slots, self.device)
         self.prefix_cache = RadixCache(self.slots) if radix_cache else None
         self.reserved_slots = 0  # slots admitted requests may still need beyond their cached prefix
         self._print(f"KV cache: {num_slots - 1} tokens ({per_token:,} bytes per token, "
-                    f"{(num_slots * per_token) / 2**30:.2f} GiB), up to {max_requests} requests")
+                    f"{(num_slots * per_token) / 2**30:.2f} GiB), up to {max_requests} requests "
+                    f"of up to {self.context_length} tokens")
 
         req_to_token = self.req_to_token_pool.req_to_token
         if attention_backend == "triton":
@@ -195,9 +197,6 @@ class Engine:
         # never generate past the context (a copy: the caller's params may serve other requests)
         params = replace(params, max_new_tokens=min(params.max_new_tokens, self.context_length - len(prompt_ids)))
         req = Request(self.next_rid, list(prompt_ids), params, set() if params.ignore_eos else set(stop_ids))
-        if req.max_tokens > self.kv_pool.num_slots - 1:
-            raise ValueError(f"request needs {req.max_tokens} KV slots (prompt + max-new-tokens); "
-                             f"the whole pool has {self.kv_pool.num_slots - 1}")
         if params.seed is not None:
             req.generator = torch.Generator(self.device).manual_seed(params.seed)
         self.next_rid += 1

@@ -156,14 +156,16 @@ def engine_from_args(args, model_dir: Path):
     dtype = getattr(torch, args.dtype or ("bfloat16" if on_gpu else "float32"))
     if on_gpu and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=False):
         raise UsageError(f"--dtype bfloat16: {torch.cuda.get_device_name(device)} has no bfloat16; use --dtype float16")
-    for flag, value, low in [("--mem-fraction", args.mem_fraction, 0), ("--max-total-tokens", args.max_total_tokens, 0),
+    for flag, value, low in [("--max-total-tokens", args.max_total_tokens, 0),
                              ("--max-running-requests", args.max_running_requests, 0),
                              ("--context-length", args.context_length, 1), ("--cuda-graph-max-bs", args.cuda_graph_max_bs, 0),
                              ("--tp-size", args.tp_size, 0)]:
         if value is not None and value <= low:
             raise UsageError(f"{flag} must be > {low}, got {value}")
-    if args.mem_fraction >= 1:
-        raise UsageError(f"--mem-fraction must be below 1, got {args.mem_fraction}")
+    if args.chunked_prefill_size < -1:
+        raise UsageError(f"--chunked-prefill-size must be > 0, or 0 or -1 for off; got {args.chunked_prefill_size}")
+    if not 0 < args.mem_fraction < 1:  # NaN fails this too
+        raise UsageError(f"--mem-fraction must be between 0 and 1, got {args.mem_fraction}")
     backend = args.attention_backend or ("triton" if on_gpu else "torch")
     interpreted = os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes")
     if backend == "triton" and not on_gpu and not interpreted:
@@ -192,6 +194,8 @@ def read_prompts(args) -> list[str]:
             text = sys.stdin.read() if args.prompt_file == "-" else Path(args.prompt_file).read_text()
         except OSError as e:
             raise UsageError(f"cannot read --prompt-file: {e.strerror}: {args.prompt_file}") from None
+        except UnicodeDecodeError:
+            raise UsageError(f"--prompt-file {args.prompt_file} is not UTF-8 text") from None
         prompts += [line for line in text.splitlines() if line.strip()]
     if not prompts:
         raise UsageError("no prompt: give --prompt TEXT or --prompt-file FILE")
@@ -227,6 +231,9 @@ def run(args):
             requests.append(engine.add_request(ids, params, stop_ids))
         except ValueError as e:
             raise UsageError(f"prompt {i + 1}: {e}") from None
+        if requests[-1].params.max_new_tokens < params.max_new_tokens:
+            print(f"note: prompt {i + 1}: the context leaves room for {requests[-1].params.max_new_tokens} new tokens",
+                  file=sys.stderr)
     print(f"{len(requests)} prompt(s), {sum(len(r.prompt_ids) for r in requests)} prompt tokens", file=sys.stderr)
 
     decoders = {r.rid: StreamDecoder(tokenizer, r.prompt_ids) for r in requests}

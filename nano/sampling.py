@@ -9,6 +9,7 @@ Sampling uses the "exponential race": argmax(p / E) with E ~ Exp(1) picks token 
 probability p_i, and needs no cumulative sums over the vocabulary.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -27,12 +28,14 @@ class SamplingParams:
 
     def validate(self):
         """Raise ValueError with a one-line message for a setting that makes no sense."""
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top-p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top-k must be >= 0, got {self.top_k}")
+        if not 0 <= self.top_k < 2**63:  # top-k and the seed go into int64 tensors
+            raise ValueError(f"top-k must be in [0, 2^63), got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2^63), got {self.seed}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
 

@@ -32,6 +32,7 @@ import os
 import queue
 import secrets
 import signal
+import socket
 import sys
 import threading
 import time
@@ -49,6 +50,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
+from tqdm import tqdm
 
 from nano.config import load_config
 from nano.generate import (ArgumentParser, UsageError, add_engine_args, cli, engine_from_args, one_line_errors,
@@ -144,6 +146,7 @@ def _engine_process(args, model_dir, inbox, outbox):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every process; the server decides
     parent = multiprocessing.parent_process()
     threading.Thread(target=lambda: (parent.join(), os._exit(1)), daemon=True).start()  # never outlive it
+    tqdm.set_lock(threading.RLock())  # the loading bar's; tqdm's own is a multiprocessing lock, left behind at exit
     try:
         engine = engine_from_args(args, model_dir)
     except one_line_errors() as e:
@@ -297,7 +300,7 @@ class StreamOptions(StrictModel):
 class GenerationRequest(StrictModel):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0)  # OpenAI's default; 0 is greedy
+    temperature: float = Field(1.0, ge=0, allow_inf_nan=False)  # OpenAI's default; 0 is greedy
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: Int64 = 0  # 0: off
     seed: Int64 | None = None
@@ -307,6 +310,10 @@ class GenerationRequest(StrictModel):
     n: Literal[1] = 1
     ignore_eos: bool = False
     user: str | None = None
+    # features this server lacks, in the off values that some clients send with every request
+    frequency_penalty: float = Field(0, ge=0, le=0)
+    presence_penalty: float = Field(0, ge=0, le=0)
+    logprobs: Literal[False] | None = None
 
 
 class CompletionRequest(GenerationRequest):
@@ -447,6 +454,9 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer | None, model_name: str
 
     async def generate(http: HTTPRequest, body, prompt_ids: list[int], chat: bool):
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        if max_tokens and len(prompt_ids) + max_tokens > engine.context_length:  # as OpenAI's API refuses it
+            raise APIError(400, f"the context holds {engine.context_length} tokens: {len(prompt_ids)} of prompt "
+                           f"and {max_tokens} to generate do not fit", param="max_tokens")
         params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
                                 max_new_tokens=max_tokens or (engine.context_length if chat else DEFAULT_COMPLETION_TOKENS),
                                 ignore_eos=body.ignore_eos)
@@ -532,15 +542,20 @@ def run(args):
     elif tokenizer.vocab_size > vocab_size:
         raise UsageError(f"the tokenizer in {tokenizer_dir} has {tokenizer.vocab_size} tokens; "
                          f"the model's vocabulary only {vocab_size}")
+    try:  # before the model loads: a port in use fails at once
+        family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+        listener = socket.create_server((args.host, args.port), family=family)
+    except (OSError, OverflowError) as e:  # OverflowError: a port outside 0-65535
+        raise UsageError(f"cannot listen on {args.host} port {args.port}: {e}") from None
     engine = start_engine_process(args, model_dir)
     app = build_app(engine, tokenizer, model_dir.name, args.api_key)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="info"))
     # uvicorn handles SIGINT/SIGTERM itself (a graceful shutdown), then re-raises the signal into
     # the handlers it found: make those no-ops, so a requested shutdown exits 0
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     try:
-        server.run()  # its shutdown stops the engine loop (lifespan)
+        server.run(sockets=[listener])  # its shutdown stops the engine loop (lifespan)
     finally:
         engine.worker.terminate()  # a no-op once it has stopped; else (uvicorn failed) it ends here
 

@@ -89,9 +89,29 @@ def test_misshaped_tensor(tiny_model):
     (["--max-new-tokens", "many"], "max-new-tokens"),
     (["--top-p", "0"], "top-p"),
     (["--mem-fraction", "1.5"], "mem-fraction"),
+    (["--mem-fraction", "nan"], "mem-fraction"),
+    (["--temperature", "nan"], "temperature"),
+    (["--temperature", "inf"], "temperature"),
+    (["--seed", "-1"], "seed"),
+    (["--chunked-prefill-size", "-5"], "chunked-prefill-size"),
 ])
 def test_bad_flag_values(tiny_model, flags, fragment):
     assert_one_line_error(run_cli("--model", str(tiny_model), "--prompt", "hi", *flags), fragment)
+
+
+def test_prompt_file_that_is_not_text(tiny_model, tmp_path):
+    (tmp_path / "prompts.bin").write_bytes(b"\xff\xfe\x00bad\n")
+    assert_one_line_error(run_cli("--model", str(tiny_model), "--prompt-file", str(tmp_path / "prompts.bin")),
+                          "is not UTF-8 text")
+
+
+def test_max_new_tokens_past_a_small_kv_cache_are_capped_with_a_note(tiny_model):
+    """A request holds no more tokens than the KV cache: 16 slots leave a 1-token prompt room for 15."""
+    result = run_cli("--model", str(tiny_model), "--prompt", "hi", "--no-chat-template", "--max-total-tokens", "16",
+                     "--max-new-tokens", "100", "--ignore-eos")
+    assert result.returncode == 0, result.stderr
+    assert "prompt 1: the context leaves room for 15 new tokens" in result.stderr
+    assert "decode: 14 more tokens" in result.stderr
 
 
 def test_empty_prompt(tiny_model):
@@ -156,9 +176,12 @@ def test_help_shows_defaults_and_examples(module):
     (["--device", "cpu", "--cuda-graph-max-bs", "8"], "CUDA graphs run only on a GPU"),
     (["--output-len", "1"], "--output-len >= 2"),
     (["--batch-size"], "--batch-size"),
+    (["--peak-bandwidth", "nan"], "--peak-bandwidth"),
+    (["--max-total-tokens", "200", "--batch-size", "2"], "does not fit"),  # else it times one at a time
 ])
 def test_bad_engine_flags(flags, fragment):
-    """Flag errors come before any model is loaded; bench_latency reports them as generate does."""
+    """Flag errors come before any model is loaded (a batch that does not fit the KV cache once it is
+    sized); bench_latency reports them as generate does."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     assert_one_line_error(run_cli(*flags, module="nano.bench_latency", env=env), fragment)
 

@@ -194,6 +194,9 @@ BAD_INPUTS = [  # (path, body or raw bytes, status, param)
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
     ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "hi", "temperature": float("inf")}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens"),  # past the context
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": []}, 400, "prompt"),
     ("/v1/completions", {"prompt": [5, 10**6]}, 400, "prompt"),
@@ -205,6 +208,16 @@ BAD_INPUTS = [  # (path, body or raw bytes, status, param)
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": TOO_LONG}], "stream": True}, 400, None),
     ("/v1/nowhere", {}, 404, None),
 ]
+
+
+def test_off_values_of_missing_features_are_accepted(server):
+    """Some clients send these with every request; in their off values they ask for nothing."""
+    off = {"frequency_penalty": 0, "presence_penalty": 0.0, "logprobs": None}
+    got, reply = call(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, **off})
+    assert got == 200 and reply["usage"]["completion_tokens"] == 2, reply
+    got, reply = call(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                       **off, "logprobs": False})
+    assert got == 200, reply
 
 
 @pytest.mark.parametrize("path, body, status, param", BAD_INPUTS)
