@@ -117,7 +117,7 @@ def resolve_model(name: str | None) -> Path:
                          f"python -m nano.bench_latency --model {name}, or pass a model folder (weights/README.md)")
     path = Path(name)
     if not path.is_dir():
-        raise UsageError(f"model folder {name} does not exist")
+        raise UsageError(f"{name} is a file, not a model folder" if path.exists() else f"model folder {name} does not exist")
     return path
 
 

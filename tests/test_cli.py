@@ -50,6 +50,11 @@ def test_missing_model_folder(tmp_path):
     assert_one_line_error(run_cli("--model", str(tmp_path / "nope"), "--prompt", "hi"), "does not exist")
 
 
+def test_model_that_is_a_file(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert_one_line_error(run_cli("--model", str(tmp_path / "model.safetensors"), "--prompt", "hi"), "not a model folder")
+
+
 def test_empty_model_folder(tmp_path):
     assert_one_line_error(run_cli("--model", str(tmp_path), "--prompt", "hi"), "no config.json")
 
