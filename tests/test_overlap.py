@@ -2,6 +2,10 @@
 the engine that finishes each pass before the next (CPU, tiny Llama). Same tokens, stop ids and
 aborts included, and every KV slot back in the pool at the end."""
 
+import random
+
+import pytest
+
 from nano.engine import Engine
 from nano.sampling import SamplingParams
 from tests.helpers import LLAMA_TINY, random_prompts, save_tiny_llama
@@ -60,3 +64,43 @@ def test_a_request_aborted_while_its_pass_runs_leaves_no_trace(tmp_path):
         engine.step()
     assert [r.output_ids for r in others] == expected
     assert len(victim.output_ids) < 20 and all_slots_back(engine)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_arrivals_aborts_and_stops_keep_every_slot_accounted_for(tmp_path, seed):
+    """The scheduler's moving parts at once, in random order: requests arriving while others run,
+    aborts in every state (waiting, part-way through a chunked prompt, running, in flight), stop
+    ids, a pool so small that the prefix cache keeps evicting, overlapped passes. After every step
+    each slot is free, cached or held by exactly one request; every request that was not aborted
+    gets the tokens the plain engine gives it, and an aborted one a prefix of them."""
+    save_tiny_llama(tmp_path, "gqa")
+    rng, vocab = random.Random(seed), LLAMA_TINY["vocab_size"]
+    stems = random_prompts([10, 16], vocab, seed=seed)
+    prompts = [rng.choice(stems)[: rng.randrange(1, 17)] + random_prompts([rng.randrange(1, 7)], vocab,
+                                                                         seed=1000 * seed + i)[0] for i in range(16)]
+    params = [SamplingParams(max_new_tokens=rng.randrange(1, 10)) for _ in prompts]
+    plain = Engine(tmp_path, max_total_tokens=POOL, radix_cache=False, chunked_prefill_size=0, overlap=False, log=False)
+    stop_ids = {out[rng.randrange(len(out))] for out in rng.sample(plain.generate(prompts, params), 4)}
+    expected = plain.generate(prompts, params, stop_ids)
+
+    pool = 48
+    engine = Engine(tmp_path, max_total_tokens=pool, max_requests=4, chunked_prefill_size=5, log=False)
+    cache, pending, reqs, aborted = engine.prefix_cache, list(range(len(prompts))), {}, set()
+    while pending or engine.has_work():
+        for i in pending[: rng.randrange(3)]:
+            reqs[i] = engine.add_request(prompts[i], params[i], stop_ids)
+            pending.remove(i)
+        if reqs and rng.random() < 0.2:
+            i = rng.choice(list(reqs))
+            if not reqs[i].finished:
+                aborted.add(i)
+            engine.abort(reqs[i])
+        engine.step()
+        admitted = engine.running + ([engine.chunked] if engine.chunked else [])
+        in_flight = engine.in_flight.rids if engine.in_flight else set()
+        own = {r.rid: r.kv_len - r.cached_len + (r.rid in in_flight) for r in admitted}
+        assert engine.slots.available + cache.size + sum(own.values()) == pool
+    assert aborted and len(aborted) < len(prompts)
+    for i, req in reqs.items():
+        assert req.output_ids == (expected[i] if i not in aborted else expected[i][: len(req.output_ids)]), i
+    assert engine.slots.available + cache.size == pool and cache.locked_size == 0 and engine.unreserved_slots == pool
