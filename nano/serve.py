@@ -554,6 +554,8 @@ def run(args):
     # the handlers it found: make those no-ops, so a requested shutdown exits 0
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
+    host = f"[{args.host}]" if ":" in args.host else args.host  # uvicorn names no address for a socket given to it
+    print(f"serving on http://{host}:{listener.getsockname()[1]} (Ctrl-C to stop)", file=sys.stderr)
     try:
         server.run(sockets=[listener])  # its shutdown stops the engine loop (lifespan)
     finally:

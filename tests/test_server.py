@@ -57,6 +57,7 @@ def start_server(model, log_path, *flags):
         assert proc.poll() is None, open(log_path).read()
         try:
             urllib.request.urlopen(url + "/health", timeout=1)
+            assert f"serving on {url} " in open(log_path).read()  # the address, for whoever started it
             return proc, url
         except OSError:
             time.sleep(0.2)
