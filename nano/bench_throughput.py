@@ -13,19 +13,20 @@ In the same run it times a peer on the same model shape (random weights too): HF
 continuous-batching `generate_batch`, on the first `--peer-prompts` requests (it is much slower).
 It takes one output length for all requests, so it gets the mean of theirs; both sides count
 the tokens they actually produced.
+
+torch is imported inside the functions, not at the top: see `cli` in generate.py.
 """
 
 import time
 
-import torch
-
 from nano.generate import ArgumentParser, UsageError, add_engine_args, cli, engine_from_args, resolve_model_or_shape
-from nano.sampling import SamplingParams
 
 
 def random_requests(num: int, input_range: tuple[int, int], output_range: tuple[int, int], vocab: int,
                     seed: int) -> list[tuple[list[int], int]]:
     """-> [(prompt ids, output length)], lengths uniform in each inclusive range."""
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     requests = []
     for _ in range(num):
@@ -37,11 +38,12 @@ def random_requests(num: int, input_range: tuple[int, int], output_range: tuple[
 
 def run_nano(engine, requests) -> tuple[int, float]:
     """-> (output tokens, seconds) for all requests queued at once."""
+    import torch
+
+    from nano.sampling import SamplingParams
+
     for prompt, n_out in requests:
-        try:
-            engine.add_request(prompt, SamplingParams(max_new_tokens=n_out, ignore_eos=True))
-        except ValueError as e:
-            raise UsageError(f"a request of {len(prompt)} prompt and {n_out} output tokens: {e}") from None
+        engine.add_request(prompt, SamplingParams(max_new_tokens=n_out, ignore_eos=True))
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     started, produced = time.perf_counter(), 0
@@ -52,6 +54,7 @@ def run_nano(engine, requests) -> tuple[int, float]:
 
 def run_hf_peer(model_dir, requests, dtype, device) -> tuple[int, float]:
     """HF transformers' continuous batching on the same model shape, with its own random weights."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     with torch.device(device):
@@ -80,12 +83,18 @@ def build_parser() -> ArgumentParser:
 
 
 def run(args):
-    if args.num_prompts < 1 or args.peer_prompts < 0:
-        raise UsageError("--num-prompts must be >= 1, --peer-prompts >= 0")
+    import torch
+
+    if args.num_prompts < 1 or args.peer_prompts < 0 or not 0 <= args.seed < 2**63:
+        raise UsageError("--num-prompts must be >= 1, --peer-prompts >= 0, --seed in [0, 2^63)")
     for flag, (low, high) in [("--input-len", args.input_len), ("--output-len", args.output_len)]:
         if not 1 <= low <= high:
             raise UsageError(f"{flag} {low} {high}: need 1 <= MIN <= MAX")
     engine = engine_from_args(args, model_dir := resolve_model_or_shape(args))
+    longest = args.input_len[1] + args.output_len[1]
+    if longest > engine.context_length:  # else the engine cuts requests short, and the count is of fewer tokens
+        raise UsageError(f"the longest request, {args.input_len[1]} + {args.output_len[1]} tokens, does not fit "
+                         f"the context of {engine.context_length} tokens")
     requests = random_requests(args.num_prompts, args.input_len, args.output_len, engine.cfg.vocab_size, args.seed)
     shortest = (args.input_len[0],) * 2, (min(args.output_len[0], 8),) * 2  # a warm-up that fits where they do
     run_nano(engine, random_requests(4, *shortest, engine.cfg.vocab_size, args.seed + 1))

@@ -202,6 +202,10 @@ def read_prompts(args) -> list[str]:
     for i, prompt in enumerate(prompts):
         if not prompt.strip():
             raise UsageError(f"prompt {i + 1} is empty")
+        try:  # bytes that are not UTF-8 reach Python as lone surrogates, which no tokenizer takes
+            prompt.encode()
+        except UnicodeEncodeError:
+            raise UsageError(f"prompt {i + 1} is not UTF-8 text") from None
     return prompts
 
 
@@ -289,6 +293,9 @@ def cli(build_parser, run, argv=None):
             sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
+    except BrokenPipeError:  # stdout's reader has gone (`| head`): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else the flush at exit fails again
+        sys.exit(1)
 
 
 def main(argv=None):

@@ -26,6 +26,11 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
 
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0, or one so small that float32 logits divided by it overflow: the argmax."""
+        return self.temperature < 1e-6
+
     def validate(self):
         """Raise ValueError with a one-line message for a setting that makes no sense."""
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -43,17 +48,17 @@ class SamplingParams:
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
     """logits [B, vocab] float32 -> next tokens [B] (int64, on the logits' device)."""
     greedy = logits.argmax(dim=-1)
-    if all(p.temperature == 0 for p in params):
+    if all(p.greedy for p in params):
         return greedy
     device = logits.device
-    temperature = to_device([p.temperature or 1.0 for p in params], torch.float32, device)
+    temperature = to_device([1.0 if p.greedy else p.temperature for p in params], torch.float32, device)
     probs = torch.softmax(logits / temperature[:, None], dim=-1)
     probs = _top_k_top_p(probs, params)
     race = torch.empty_like(probs)
     for row, gen in enumerate(generators):
         race[row].exponential_(generator=gen)
     sampled = (probs / race).argmax(dim=-1)
-    is_greedy = to_device([p.temperature == 0 for p in params], torch.bool, device)
+    is_greedy = to_device([p.greedy for p in params], torch.bool, device)
     return torch.where(is_greedy, greedy, sampled)
 
 
@@ -65,8 +70,9 @@ def _top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
     top_p = to_device([p.top_p for p in params], torch.float32, device)
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=device)
-    # keep a token if it is within the top k and the probability mass before it is below p
+    # keep a token if it is within the top k and the probability mass before it is below p; the
+    # likeliest always stays (a p below float32's range reads as 0, and nothing is below 0)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    keep = (rank[None, :] < top_k[:, None]) & (mass_before < top_p[:, None])
+    keep = (rank[None, :] < top_k[:, None]) & ((mass_before < top_p[:, None]) | (rank[None, :] == 0))
     sorted_probs = sorted_probs * keep
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)

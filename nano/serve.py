@@ -60,6 +60,7 @@ from nano.tokenizer import StreamDecoder, Tokenizer
 
 MAX_BODY_BYTES = 4 << 20  # a context's worth of text or token ids is far less
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions; chat runs to the context
+OFF_ONLY = ("frequency_penalty", "presence_penalty", "logprobs")  # accepted only as 0, false or null
 
 
 class APIError(Exception):
@@ -301,7 +302,7 @@ class GenerationRequest(StrictModel):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, allow_inf_nan=False)  # OpenAI's default; 0 is greedy
-    top_p: float = Field(1.0, gt=0, le=1)
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     top_k: Int64 = 0  # 0: off
     seed: Int64 | None = None
     stop: StopString | list[StopString] | None = None
@@ -310,10 +311,10 @@ class GenerationRequest(StrictModel):
     n: Literal[1] = 1
     ignore_eos: bool = False
     user: str | None = None
-    # features this server lacks, in the off values that some clients send with every request
-    frequency_penalty: float = Field(0, ge=0, le=0)
-    presence_penalty: float = Field(0, ge=0, le=0)
-    logprobs: Literal[False] | None = None
+    # features this server lacks, which some clients send with every request, off (`parse` refuses them on)
+    frequency_penalty: float = 0
+    presence_penalty: float = 0
+    logprobs: bool | None = None
 
 
 class CompletionRequest(GenerationRequest):
@@ -341,7 +342,8 @@ async def read_json(http: HTTPRequest) -> dict:
             raise too_large
     try:
         data = json.loads(body)
-    except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+        json.dumps(data, ensure_ascii=False).encode()  # a lone surrogate ("\ud800") is no text a tokenizer takes
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, bytes or escapes that are not UTF-8, deep nesting
         raise APIError(400, f"request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object")
@@ -439,6 +441,11 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer | None, model_name: str
             message = "; ".join(f"{'.'.join(map(str, err['loc']))}: " + (
                 "not supported by this server" if err["type"] == "extra_forbidden" else err["msg"]) for err in errors[:3])
             raise APIError(400, message, param=str(errors[0]["loc"][0]) if errors[0]["loc"] else None) from None
+        for name in OFF_ONLY:
+            if getattr(body, name):
+                raise APIError(400, f"{name}: not supported by this server", param=name)
+        if body.stream_options and not body.stream:  # as OpenAI's API refuses it
+            raise APIError(400, "stream_options: only with stream: true", param="stream_options")
         if body.model not in (None, model_name):
             raise APIError(404, f"model {body.model!r} does not exist; this server serves {model_name!r}",
                            param="model", code="model_not_found")
@@ -454,7 +461,8 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer | None, model_name: str
 
     async def generate(http: HTTPRequest, body, prompt_ids: list[int], chat: bool):
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
-        if max_tokens and len(prompt_ids) + max_tokens > engine.context_length:  # as OpenAI's API refuses it
+        # OpenAI's API refuses this too (a prompt too long on its own is the engine's to refuse)
+        if max_tokens and len(prompt_ids) < engine.context_length < len(prompt_ids) + max_tokens:
             raise APIError(400, f"the context holds {engine.context_length} tokens: {len(prompt_ids)} of prompt "
                            f"and {max_tokens} to generate do not fit", param="max_tokens")
         params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
@@ -533,6 +541,8 @@ def build_parser() -> ArgumentParser:
 
 
 def run(args):
+    if args.api_key == "":
+        raise UsageError("--api-key is empty: no request could send it")
     model_dir = resolve_model_or_shape(args)
     vocab_size = load_config(model_dir).vocab_size
     tokenizer_dir = args.tokenizer or model_dir
@@ -554,7 +564,7 @@ def run(args):
     # the handlers it found: make those no-ops, so a requested shutdown exits 0
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    host = f"[{args.host}]" if ":" in args.host else args.host  # uvicorn names no address for a socket given to it
+    host = f"[{args.host}]" if ":" in args.host else args.host or "0.0.0.0"  # uvicorn names none for our socket
     print(f"serving on http://{host}:{listener.getsockname()[1]} (Ctrl-C to stop)", file=sys.stderr)
     try:
         server.run(sockets=[listener])  # its shutdown stops the engine loop (lifespan)

@@ -110,6 +110,21 @@ def test_prompt_file_that_is_not_text(tiny_model, tmp_path):
                           "is not UTF-8 text")
 
 
+def test_prompt_that_is_not_utf8(tiny_model):
+    # bytes that are not UTF-8 reach Python's argv as lone surrogates (and go back out as the same bytes)
+    assert_one_line_error(run_cli("--model", str(tiny_model), "--prompt", "caf\udce9"), "prompt 1 is not UTF-8 text")
+
+
+def test_a_reader_that_goes_away_ends_the_run_quietly(tiny_model):
+    """`generate ... | head -c 5`: the next write finds the pipe closed."""
+    proc = subprocess.Popen([sys.executable, "-m", "nano.generate", "--model", str(tiny_model), "--prompt", "hi",
+                             "--max-new-tokens", "200", "--ignore-eos"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.read(1)
+    proc.stdout.close()
+    stderr = proc.communicate(timeout=120)[1].decode()
+    assert proc.returncode == 1 and "Traceback" not in stderr, stderr
+
+
 def test_max_new_tokens_past_a_small_kv_cache_are_capped_with_a_note(tiny_model):
     """A request holds no more tokens than the KV cache: 16 slots leave a 1-token prompt room for 15."""
     result = run_cli("--model", str(tiny_model), "--prompt", "hi", "--no-chat-template", "--max-total-tokens", "16",
@@ -195,7 +210,9 @@ def test_bad_engine_flags(flags, fragment):
     (["--num-prompts", "0"], "--num-prompts must be >= 1"),
     (["--input-len", "500", "100"], "need 1 <= MIN <= MAX"),
     (["--output-len", "0", "4"], "need 1 <= MIN <= MAX"),
-    (["--input-len", "9000", "9000"], "the context holds 8192"),  # found when the requests are queued
+    (["--input-len", "9000", "9000"], "does not fit the context of 8192"),
+    (["--output-len", "20", "20", "--max-total-tokens", "25"], "does not fit the context of 25"),  # else cut short
+    (["--seed", "-1"], "--seed"),
 ])
 def test_bad_throughput_flags(flags, fragment):
     result = run_cli("--model", "smollm2-135m", "--device", "cpu", "--num-prompts", "2", "--output-len", "2", "3",

@@ -32,3 +32,14 @@ def test_frequencies_follow_the_softmax_and_top_p_mass():
     counts = torch.bincount(draw(logits, [SamplingParams(temperature=1.0, top_p=0.7)], 4000)[:, 0], minlength=4)
     assert counts[2:].sum() == 0
     assert abs(counts[0] / 4000 - 0.625) < 0.03
+
+
+def test_settings_below_float32s_range_act_as_their_limit():
+    """A temperature or top-p that rounds to 0 in float32 means greedy, not the garbage a division by
+    0 (or an empty nucleus) would give: token 0 every time."""
+    torch.manual_seed(1)
+    logits = torch.randn(3, 50) * 3
+    logits[:, 0] = -10  # token 0 is the one an all-zero or NaN row would pick
+    params = [SamplingParams(temperature=1e-300), SamplingParams(temperature=1.0, top_p=1e-50),
+              SamplingParams(temperature=1e-7, top_k=3)]
+    assert (draw(logits, params, 50) == logits.argmax(-1)).all()

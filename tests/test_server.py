@@ -198,6 +198,12 @@ BAD_INPUTS = [  # (path, body or raw bytes, status, param)
     ("/v1/completions", {"prompt": "hi", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
     ("/v1/completions", {"prompt": "hi", "temperature": float("inf")}, 400, "temperature"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens"),  # past the context
+    ("/v1/completions", {"prompt": TOO_LONG, "max_tokens": 4}, 400, None),  # the prompt alone is too long
+    ("/v1/completions", {"prompt": "hi", "logprobs": True}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "top_p": float("nan")}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("/v1/completions", {"prompt": "caf\udce9"}, 400, None),  # a lone surrogate: no text
+    ("/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400, None),  # deeper than json can parse
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": []}, 400, "prompt"),
     ("/v1/completions", {"prompt": [5, 10**6]}, 400, "prompt"),
@@ -457,6 +463,10 @@ def test_bench_serving_bad_dataset_is_one_line(server, tmp_path, dataset, fragme
     result = run_cli("--base-url", server, "--api-key", API_KEY, "--dataset", str(tmp_path / dataset),
                      module="nano.bench_serving")
     assert_one_line_error(result, fragment)
+
+
+def test_empty_api_key_is_refused_at_start():
+    assert_one_line_error(run_cli("--api-key", "", module="nano.serve"), "--api-key is empty")
 
 
 def test_bench_serving_without_a_server_is_one_line():
