@@ -115,10 +115,12 @@ def test_prompt_that_is_not_utf8(tiny_model):
     assert_one_line_error(run_cli("--model", str(tiny_model), "--prompt", "caf\udce9"), "prompt 1 is not UTF-8 text")
 
 
-def test_a_reader_that_goes_away_ends_the_run_quietly(tiny_model):
-    """`generate ... | head -c 5`: the next write finds the pipe closed."""
-    proc = subprocess.Popen([sys.executable, "-m", "nano.generate", "--model", str(tiny_model), "--prompt", "hi",
-                             "--max-new-tokens", "200", "--ignore-eos"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+def test_a_reader_that_goes_away_ends_the_run_quietly(smollm2_dir):
+    """`generate ... | head -c 1`: the next write finds the pipe closed (a run long enough that it
+    cannot have written everything into the pipe's buffer first)."""
+    proc = subprocess.Popen([sys.executable, "-m", "nano.generate", "--model", str(smollm2_dir), "--prompt", "Count to 1000.",
+                             "--max-new-tokens", "1000", "--ignore-eos", "--max-total-tokens", "2048"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.read(1)
     proc.stdout.close()
     stderr = proc.communicate(timeout=120)[1].decode()
