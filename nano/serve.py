@@ -30,6 +30,7 @@ import json
 import multiprocessing
 import os
 import queue
+import re
 import secrets
 import signal
 import socket
@@ -61,6 +62,7 @@ from nano.tokenizer import StreamDecoder, Tokenizer
 MAX_BODY_BYTES = 4 << 20  # a context's worth of text or token ids is far less
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions; chat runs to the context
 OFF_ONLY = ("frequency_penalty", "presence_penalty", "logprobs")  # accepted only as 0, false or null
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # "\ud800": JSON's only way to a lone surrogate
 
 
 class APIError(Exception):
@@ -342,7 +344,8 @@ async def read_json(http: HTTPRequest) -> dict:
             raise too_large
     try:
         data = json.loads(body)
-        json.dumps(data, ensure_ascii=False).encode()  # a lone surrogate ("\ud800") is no text a tokenizer takes
+        if SURROGATE_ESCAPE.search(body):  # a quick scan first: re-encoding a large body takes milliseconds
+            json.dumps(data, ensure_ascii=False).encode()  # raises for a lone surrogate, no text a tokenizer takes
     except (ValueError, RecursionError) as e:  # JSONDecodeError, bytes or escapes that are not UTF-8, deep nesting
         raise APIError(400, f"request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
