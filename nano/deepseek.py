@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nano import ops
 from nano.config import ModelConfig
 from nano.forward_batch import ForwardBatch, batch_bucket
 from nano.model import CausalLM, DecoderLayer, Linear, RMSNorm, SwiGLU
@@ -102,7 +103,8 @@ class MLAttention(nn.Module):
         w_uk, w_uv = per_head.split([self.nope_dim, self.v_dim], dim=1)  # [H, 128, 512]: latent -> k_nope, v
         q_lat = torch.einsum("thn,hnc->thc", q_nope, w_uk)  # [T, H, 512]
         query = torch.cat([q_lat, q_pe], dim=-1)  # [T, H, 576]; key [T, 1, 576] is the cached row
-        o_lat = attn.forward(query, key, None, self.layer_id, batch, self.scale)  # [T, H, 512]
+        # The value is the latent c: the first 512 channels of the cached row (a view, as in kv_cache.py).
+        o_lat = attn.forward(query, key, key[..., : self.latent_dim], self.layer_id, batch, self.scale)  # [T, H, 512]
         out = o_lat.new_empty(o_lat.shape[0], self.num_heads, self.v_dim)  # [T, H, 128]: o_proj's input rows
         torch.bmm(o_lat.transpose(0, 1), w_uv.mT, out=out.transpose(0, 1))  # head by head, straight into them
         return out
@@ -145,16 +147,9 @@ class MoE(nn.Module):
         # The loader keeps the router's weight in float32, so `.float()` is free; a module cast to
         # another dtype after construction still routes correctly, paying one conversion a step.
         logits = F.linear(x.float(), self.gate.weight.float())  # [T, E]
-        # DeepSeek-V2's rule: renormalise the chosen weights *or* scale them, never both.
+        # DeepSeek-V2's rule (ops.route_top_k): renormalise the chosen weights *or* scale them, never both.
         renormalize = self.top_k > 1 and self.norm_topk_prob
-        if x.is_cuda:  # the same in one kernel
-            from nano.triton_ops import route_top_k
-
-            return route_top_k(logits, self.top_k, renormalize, self.routed_scaling_factor)
-        weights, ids = logits.softmax(dim=-1).topk(self.top_k, dim=-1)
-        if renormalize:
-            return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20), ids
-        return weights * self.routed_scaling_factor, ids
+        return ops.route_top_k(logits, self.top_k, renormalize, self.routed_scaling_factor)
 
     def form(self, num_tokens: int, on_cuda: bool) -> str:
         """Which of three forms of the same sum runs, chosen from the number of tokens (a shape,
@@ -182,43 +177,33 @@ class MoE(nn.Module):
         return routed if self.shared_experts is None else routed + self.shared_experts(x)
 
     def matvec(self, x, weights, ids):
-        from nano.moe_kernels import expert_matvec  # Triton kernels: imported where they run, as in model.py
-        from nano.triton_ops import silu_and_mul
-
+        kernels = ops.kernels("moe_kernels")
         num_tokens, top_k = ids.shape
-        gate_up = expert_matvec(x, self.w13, ids)  # [T, k, 2I]
-        h = silu_and_mul(gate_up.view(num_tokens * top_k, -1)).view(num_tokens, top_k, -1)  # [T, k, I]
-        return expert_matvec(h, self.w2, ids, pair_weights=weights).sum(dim=1)  # [T, k, hidden] -> [T, hidden]
+        gate_up = kernels.expert_matvec(x, self.w13, ids)  # [T, k, 2I]
+        h = ops.silu_and_mul(gate_up.view(num_tokens * top_k, -1)).view(num_tokens, top_k, -1)  # [T, k, I]
+        return kernels.expert_matvec(h, self.w2, ids, pair_weights=weights).sum(dim=1)  # [T, k, hidden] -> [T, hidden]
 
     def fused(self, x, weights, ids):
-        from nano.moe_kernels import align_pairs_by_expert, fused_moe_config, fused_moe_matmul
-        from nano.triton_ops import silu_and_mul
-
+        kernels = ops.kernels("moe_kernels")
         num_tokens, top_k = ids.shape
-        config = fused_moe_config(num_tokens, top_k, self.num_experts)
-        pairs = align_pairs_by_expert(ids, self.num_experts, config["BLOCK_M"])  # (sorted pair ids, block experts)
-        gate_up = fused_moe_matmul(x, self.w13, *pairs, config, pairs_per_row=top_k)  # [T*k, 2I]
-        out = fused_moe_matmul(silu_and_mul(gate_up), self.w2, *pairs, config, pair_weights=weights)  # [T*k, hidden]
-        return out.view(num_tokens, top_k, -1).sum(dim=1)  # the routing weights are already applied
+        config = kernels.fused_moe_config(num_tokens, top_k, self.num_experts)
+        pairs = kernels.align_pairs_by_expert(ids, self.num_experts, config["BLOCK_M"])  # (sorted pair ids, block experts)
+        gate_up = kernels.fused_moe_matmul(x, self.w13, *pairs, config, pairs_per_row=top_k)  # [T*k, 2I]
+        out = kernels.fused_moe_matmul(ops.silu_and_mul(gate_up), self.w2, *pairs, config, pair_weights=weights)
+        return out.view(num_tokens, top_k, -1).sum(dim=1)  # [T*k, hidden] -> [T, hidden]: already weighted
 
     def grouped(self, x, weights, ids):
         order = ids.flatten().argsort()  # (token, slot) pairs sorted by expert
         token_of_pair = order // self.top_k  # [T*k]
         tokens_per_expert = torch.bincount(ids.flatten(), minlength=self.num_experts).tolist()  # host sync
         pairs_of_expert = x[token_of_pair].split(tokens_per_expert)
-        out = torch.cat([_swiglu(xs, self.w13[e], self.w2[e]) for e, xs in enumerate(pairs_of_expert)])
+        out = torch.cat([ops.silu_and_mul(xs @ self.w13[e].mT) @ self.w2[e].mT for e, xs in enumerate(pairs_of_expert)])
         out *= weights.flatten()[order, None].to(x.dtype)  # [T*k, hidden], pairs in expert order
         # Back to (token, slot) order and sum each token's k slots. Not index_add_: its atomic adds
         # land in a different order each run, and the next decode step's routing can flip on that.
         unsorted = torch.empty_like(out)
         unsorted[order] = out
         return unsorted.view(-1, self.top_k, x.shape[-1]).sum(dim=1)
-
-
-def _swiglu(x, w13, w2):
-    """down(silu(gate(x)) * up(x)) for one expert's w13 [2I, hidden] and w2 [hidden, I]."""
-    gate, up = (x @ w13.mT).chunk(2, dim=-1)
-    return (F.silu(gate) * up) @ w2.mT
 
 
 class DeepseekV2(CausalLM):

@@ -13,20 +13,21 @@ Three things make the code below differ from a training implementation:
   rows of the fused weight. What follows works on views into that output where it can: rope
   rotates q and k in place.
 - each residual add is fused into the RMSNorm that follows it (`add_and_norm`, one kernel on the
-  GPU: triton_ops.py), so a layer hands on its output and the residual stream separately.
+  GPU: ops.py), so a layer hands on its output and the residual stream separately.
 - only the last token of each request gets logits: that is all sampling needs.
 
 Loading weights into these modules is loader.py's job; each model only says where a checkpoint
 tensor goes (`checkpoint_layout`). Splitting the model across GPUs is tp.py's: it builds these same
-modules in smaller shapes and adds the communication from outside. The Triton kernels are imported
-inside the `x.is_cuda` branches that run them (here, in rope.py and deepseek.py), so a CPU run
-never imports triton.
+modules in smaller shapes and adds the communication from outside. The per-token ops (norms, SiLU,
+rope, the MoE router) come from ops.py, which runs a Triton kernel on CUDA tensors and plain torch
+on any other, so the model has one code path for both and a CPU run never imports triton.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nano import ops
 from nano.config import ModelConfig
 from nano.forward_batch import ForwardBatch
 from nano.rope import RotaryEmbedding
@@ -55,23 +56,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x, out=None):
-        """-> the normed x, written into `out` when given (which may be x itself)."""
-        if x.is_cuda:
-            from nano.triton_ops import rms_norm
-
-            return rms_norm(x, self.weight, self.eps, out)
-        normed = F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        return normed if out is None else out.copy_(normed)
+        return ops.rms_norm(x, self.weight, self.eps, out)  # into `out` when given, which may be x itself
 
     def add_and_norm(self, x, residual):
         """The residual stream's step: residual += x, then normalise it -> (normed, residual).
         residual None (the first layer): the stream starts at x."""
-        if x.is_cuda:  # one kernel for both (triton_ops.py)
-            from nano.triton_ops import fused_add_rms_norm
-
-            return fused_add_rms_norm(x, residual, self.weight, self.eps)
-        residual = x if residual is None else x + residual
-        return self.forward(residual), residual
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class SwiGLU(nn.Module):
@@ -83,13 +73,7 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(intermediate, hidden)
 
     def forward(self, x):
-        gate_up = self.gate_up_proj(x)  # [T, 2I]
-        if x.is_cuda:
-            from nano.triton_ops import silu_and_mul
-
-            return self.down_proj(silu_and_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))  # gate_up [T, 2I] -> [T, I]
 
 
 class LlamaAttention(nn.Module):

@@ -17,6 +17,8 @@ import math
 
 import torch
 
+from nano import ops
+
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
@@ -79,20 +81,4 @@ class RotaryEmbedding(torch.nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """Rotate q [T, H, rot_dim] and k [T, Hkv, rot_dim] by their token's position [T], in place:
         they are usually views into a projection's output, which then holds the rotated rows."""
-        if q.is_cuda:  # one fused kernel (triton_ops.py)
-            from nano.triton_ops import apply_rope_
-
-            apply_rope_(q, k, self.cos_sin, positions)
-            return
-        for x, rotated in zip((q, k), self.rotate_reference(positions, q, k)):
-            x.copy_(rotated)
-
-    def rotate_reference(self, positions, q, k):
-        """The same rotation in plain torch: the CPU path, and the truth for the kernel's tests."""
-        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rot_dim/2] each
-        out = []
-        for x in (q, k):
-            x1, x2 = x.float().chunk(2, dim=-1)
-            rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-            out.append(rotated.to(x.dtype))
-        return tuple(out)
+        ops.apply_rope_(q, k, self.cos_sin, positions)

@@ -27,7 +27,7 @@ class TorchAttnBackend:
         pass  # everything this backend needs is in the batch already
 
     def forward(self, q, k, v, layer_id: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
-        """q [T, H, k_dim], k [T, Hkv, k_dim], v [T, Hkv, v_dim] (None for MLA) -> [T, H, v_dim]."""
+        """q [T, H, k_dim], k [T, Hkv, k_dim], v [T, Hkv, v_dim] -> [T, H, v_dim]."""
         self.kv_pool.store(layer_id, batch.out_cache_loc, k, v)
         k_cache, v_cache = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
         num_heads, v_dim = q.shape[1], v_cache.shape[-1]

@@ -66,7 +66,7 @@ LOG2E = 1.4426950408889634
 class TritonAttnBackend:
     def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor, max_batch_size: int, num_heads: int):
         self.kv_pool, self.req_to_token = kv_pool, req_to_token
-        self.num_heads, self.max_kv_splits = num_heads, MAX_KV_SPLITS
+        self.num_heads = num_heads
         _, self.num_kv_heads, self.k_dim = kv_pool.k_buffers[0].shape
         self.v_dim = kv_pool.v_buffers[0].shape[-1]
         self.group = num_heads // self.num_kv_heads  # query heads per KV head
@@ -104,29 +104,25 @@ class TritonAttnBackend:
         does not fill the GPU. It depends only on the batch's bucket (forward_batch.py), so a
         captured graph stays valid, a padded batch splits exactly like the same batch run eagerly,
         and the decode grid, sized by the cap, launches no programs that could never have work."""
-        return max(1, min(self.max_kv_splits, self.target_programs // (batch_bucket(bs) * self.num_kv_heads)))
+        return max(1, min(MAX_KV_SPLITS, self.target_programs // (batch_bucket(bs) * self.num_kv_heads)))
 
     def forward(self, q, k, v, layer_id: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
-        """q [T, H, k_dim], k [T, Hkv, k_dim], v [T, Hkv, v_dim] (None for MLA) -> [T, H, v_dim]."""
+        """q [T, H, k_dim], k [T, Hkv, k_dim], v [T, Hkv, v_dim] -> [T, H, v_dim]."""
         k_cache, v_cache = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
         out = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
         for t in (q, k, v, k_cache, v_cache, out):
-            assert t is None or t.stride(-1) == 1, "kernels assume the channel dimension is contiguous"
+            assert t.stride(-1) == 1, "kernels assume the channel dimension is contiguous"
         self._store_kv(k, v, k_cache, v_cache, batch.out_cache_loc)
         if batch.is_decode:
             self._decode(q, k_cache, v_cache, out, batch, scale)
         else:
-            if v is None:  # MLA: like the cached value, the new value is the first v_dim channels of k
-                v = k[..., : self.v_dim]
             self._extend(q, k, v, k_cache, v_cache, out, batch, scale)
         return out
 
     def _store_kv(self, k, v, k_cache, v_cache, out_cache_loc):
         """Write the new tokens' K (and V) into their pool slots. One launch: torch's indexed copy
         takes four (index casts and copies for K and V)."""
-        has_v = not self.kv_pool.use_mla
-        if not has_v:  # MLA: the cached value is part of the key row, stored with it
-            v, v_cache = k, k_cache
+        has_v = not self.kv_pool.use_mla  # MLA: the cached value is part of the key row, stored with it
         num_kv_heads = k.shape[1]
         _store_kv_kernel[(k.shape[0],)](
             k, v, k_cache, v_cache, out_cache_loc,

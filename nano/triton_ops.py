@@ -10,7 +10,7 @@ graph, while a whole Llama-3-8B layer should take about 110 us (its share of the
 reads). Here each op is one kernel, whose intermediates stay in registers.
 
 How each kernel splits the work:
-- rms_norm / fused_add_rms_norm: one program per token row. The whole row (hidden <= 8192) is
+- fused_add_rms_norm (alone, with residual None): one program per token row. The whole row (hidden <= 8192) is
   one block in registers, so the mean of squares is one `tl.sum`; wider rows get more warps, so
   that each thread still loads a couple of 16-byte vectors. The residual add shares the launch:
   the sum is stored as the new residual stream and normalised from registers.
@@ -87,11 +87,6 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: t
         num_warps=min(max(block // 512, 1), 16),
     )
     return out, new_residual
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, hidden] -> rms_norm(x) * weight, in x's dtype (into `out` when given, which may be x)."""
-    return fused_add_rms_norm(x, None, weight, eps, out)[0]
 
 
 @triton.jit
@@ -199,7 +194,7 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, routed_scaling,
 def route_top_k(logits: torch.Tensor, top_k: int, renormalize: bool, routed_scaling: float):
     """A MoE router's softmax, top-k and weight rule in one launch (torch takes about five: softmax,
     a sort and a gather for topk, the rescale): logits [T, E] float32 -> (weights [T, k] float32,
-    expert ids [T, k] int64), best first. See deepseek.py's MoE.route for the rule."""
+    expert ids [T, k] int64), best first. See ops.route_top_k for the rule."""
     num_tokens, num_experts = logits.shape
     assert logits.dtype == torch.float32 and logits.is_contiguous()
     weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=logits.device)

@@ -69,7 +69,7 @@ def bench_case(raw: dict, use_mla: bool, batch_size: int, context: int, configur
     (kv_heads, k_dim), (_, v_dim) = pool.k_buffers[0].shape[1:], pool.v_buffers[0].shape[1:]
     q = torch.randn(batch_size, cfg.num_heads, k_dim, dtype=torch.bfloat16, device="cuda")
     k = torch.randn(batch_size, kv_heads, k_dim, dtype=torch.bfloat16, device="cuda")
-    v = None if use_mla else torch.randn(batch_size, kv_heads, v_dim, dtype=torch.bfloat16, device="cuda")
+    v = k[..., :v_dim] if use_mla else torch.randn(batch_size, kv_heads, v_dim, dtype=torch.bfloat16, device="cuda")
 
     def step():
         backend.init_forward_metadata(batch)

@@ -68,7 +68,7 @@ class Scene:
     batch: ForwardBatch
     q: torch.Tensor
     k: torch.Tensor
-    v: torch.Tensor | None
+    v: torch.Tensor
 
     @property
     def scale(self) -> float:
@@ -114,9 +114,9 @@ def build_scene(shape: Shape, dtype, device, prefix_lens: list[int], extend_lens
     def rand(heads, dim):
         return torch.randn(num_tokens, heads, dim, dtype=dtype, device=device)
 
-    v = None if shape.mla else rand(shape.num_kv_heads, shape.v_dim)
-    return Scene(shape, pool, req_to_token, batch, rand(shape.num_heads, shape.k_dim),
-                 rand(shape.num_kv_heads, shape.k_dim), v)
+    k = rand(shape.num_kv_heads, shape.k_dim)
+    v = k[..., : shape.v_dim] if shape.mla else rand(shape.num_kv_heads, shape.v_dim)  # MLA: a view, as deepseek.py's
+    return Scene(shape, pool, req_to_token, batch, rand(shape.num_heads, shape.k_dim), k, v)
 
 
 def run_triton(scene: Scene, backend: TritonAttnBackend) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The fused kernels of triton_ops.py against torch references.
+"""The fused kernels of triton_ops.py against torch references: ops.py's (`op.reference`), or HF's
+formula where its rounding order is the point.
 
 Inputs are random (never zeros, so a kernel that skips work cannot pass by luck), fresh outputs
 are filled with NaN before the kernel runs, and in-place rope is checked over the whole tensor it
@@ -11,8 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from nano import ops
 from nano.rope import RotaryEmbedding
-from nano.triton_ops import apply_rope_, fused_add_rms_norm, rms_norm, route_top_k, silu_and_mul
+from nano.triton_ops import apply_rope_, fused_add_rms_norm, route_top_k, silu_and_mul
 from tests.helpers import DEVICE, DTYPES, assert_close, gpu, nan_allocations, randn
 
 DEEPSEEK_YARN = {"rope_type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
@@ -42,16 +44,14 @@ def check_norms(num_tokens: int, hidden: int, dtype: torch.dtype, row_stride: in
     eps = 1e-6
     with nan_allocations():
         normed, new_residual = fused_add_rms_norm(x, residual, weight, eps)
-        alone = rms_norm(x, weight, eps)
-        first_normed, first_residual = fused_add_rms_norm(x, None, weight, eps)
+        alone, first_residual = fused_add_rms_norm(x, None, weight, eps)  # the first layer: nothing to add
     assert_close(new_residual, x + residual)
     assert_close(normed, reference_rms_norm(x + residual, weight, eps))
     assert_close(alone, reference_rms_norm(x, weight, eps))
     assert first_residual is x
-    assert torch.equal(first_normed, alone)
     expected = wide.clone()
     expected[:, :hidden] = alone
-    assert rms_norm(x, weight, eps, out=x) is x
+    assert fused_add_rms_norm(x, None, weight, eps, out=x)[0] is x
     assert torch.equal(wide, expected)
 
 
@@ -66,10 +66,7 @@ def check_rope(rotary: RotaryEmbedding, buffers: tuple[torch.Tensor, ...], carve
     """carve(*buffers) -> (q, k): views into the buffers. Rotates them in place; everything else in
     the buffers must be left as it was."""
     expected = tuple(b.clone() for b in buffers)
-    expected_q, expected_k = carve(*expected)
-    ref_q, ref_k = rotary.rotate_reference(positions, *carve(*buffers))
-    expected_q.copy_(ref_q)
-    expected_k.copy_(ref_k)
+    ops.apply_rope_.reference(*carve(*expected), rotary.cos_sin, positions)
     apply_rope_(*carve(*buffers), rotary.cos_sin, positions)
     for out, ref in zip(buffers, expected, strict=True):
         assert_close(out, ref)
@@ -133,8 +130,7 @@ def test_route_top_k(num_tokens, num_experts, top_k, renormalize):
     """The fused router against softmax + topk + the weight rule in torch (float32, as routing is)."""
     logits = randn(num_tokens, num_experts, dtype=torch.float32) * 3
     weights, ids = route_top_k(logits, top_k, renormalize, routed_scaling=2.5)
-    ref_weights, ref_ids = logits.softmax(dim=-1).topk(top_k, dim=-1)
-    ref_weights = ref_weights / ref_weights.sum(dim=-1, keepdim=True) if renormalize else ref_weights * 2.5
+    ref_weights, ref_ids = ops.route_top_k.reference(logits, top_k, renormalize, routed_scaling=2.5)
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)
 

@@ -1,0 +1,75 @@
+"""The per-token ops the models call, and the one place that decides how each one runs.
+
+model.py, rope.py and deepseek.py call `ops.fused_add_rms_norm` (and `ops.rms_norm`, the same with
+nothing to add), `ops.silu_and_mul`, `ops.apply_rope_` and `ops.route_top_k` without asking where they
+run. Each has two implementations:
+the Triton kernel of the same name for CUDA tensors (one launch each: triton_ops.py says why that
+matters), and the plain torch below for any other. The torch version is what a CPU run computes and
+the truth the kernel tests compare against (`op.reference`). The device of the op's first tensor
+decides, here and nowhere else. triton is imported on the first call with a CUDA tensor: it is not a
+runtime dependency (the CUDA build of torch brings its own), and a CPU run never imports it.
+`kernels()` hands out the kernel modules the same way to code that runs a kernel itself: MoE's
+"matvec" and "fused" forms (deepseek.py), which only a CUDA run picks.
+"""
+
+import functools
+import importlib
+
+import torch
+import torch.nn.functional as F
+
+
+def kernels(module: str = "triton_ops"):
+    """nano.triton_ops or nano.moe_kernels, imported (and triton with it) on first use."""
+    return importlib.import_module(f"nano.{module}")
+
+
+def _triton_on_cuda(reference):
+    """The op: triton_ops' kernel of the same name when the first tensor is on CUDA, else `reference`."""
+
+    @functools.wraps(reference)
+    def op(x, *args, **kwargs):
+        return (getattr(kernels(), reference.__name__) if x.is_cuda else reference)(x, *args, **kwargs)
+
+    op.reference = reference
+    return op
+
+
+@_triton_on_cuda
+def fused_add_rms_norm(x, residual, weight, eps, out=None):
+    """residual += x, then normalise it -> (normed, residual); residual None: the stream starts at x.
+    The normed rows go into `out` when given, which may be x."""
+    residual = x if residual is None else x + residual
+    normed = F.rms_norm(residual, weight.shape, weight, eps)
+    return (normed if out is None else out.copy_(normed)), residual
+
+
+def rms_norm(x, weight, eps, out=None):
+    """x [T, hidden] -> rms_norm(x) * weight, in x's dtype (into `out` when given, which may be x)."""
+    return fused_add_rms_norm(x, None, weight, eps, out)[0]
+
+
+@_triton_on_cuda
+def silu_and_mul(gate_up):
+    """gate_up [T, 2I] (gate in the first I columns, up in the rest) -> silu(gate) * up [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@_triton_on_cuda
+def apply_rope_(q, k, cos_sin, positions):
+    """Rotate q [T, H, d] and k [T, Hkv, d] in place by their tokens' positions [T] (rope.py)."""
+    cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, d/2] each
+    for x in (q, k):
+        x1, x2 = x.float().chunk(2, dim=-1)
+        x.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))
+
+
+@_triton_on_cuda
+def route_top_k(logits, top_k, renormalize, routed_scaling):
+    """A MoE router: logits [T, E] float32 -> softmax, the top k (weights [T, k] float32, expert ids
+    [T, k], best first), then DeepSeek-V2's rule: renormalise the chosen weights *or* scale them."""
+    weights, ids = logits.softmax(dim=-1).topk(top_k, dim=-1)
+    if renormalize:
+        return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20), ids
+    return weights * routed_scaling, ids
