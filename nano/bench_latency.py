@@ -22,8 +22,8 @@ import math
 import statistics
 import time
 
-from nano.generate import (SHAPES, ArgumentParser, UsageError, add_engine_args, cli, engine_from_args, parse_device,
-                           resolve_model_or_shape)
+from nano.cli import (SHAPES, ArgumentParser, UsageError, add_engine_args, build_engine, cli, parse_device,
+                      resolve_model_or_shape)
 
 EXAMPLES = """examples:
   python -m nano.bench_latency                          # smollm2-135m on CPU, llama-3-8b on GPU
@@ -131,14 +131,13 @@ def run(args):
         args.cuda_graph_max_bs = max(args.cuda_graph_max_bs, max_bs)
     if args.max_total_tokens is None:
         args.max_total_tokens = max_bs * (args.input_len + args.output_len) + 1
-    engine = engine_from_args(args, model_dir)
+    # the whole batch in the one prefill step this reports
+    engine = build_engine(args, model_dir, max_prefill_tokens=max_bs * args.input_len, chunked_prefill_size=0)
     # every request runs its whole length, and the whole batch at once: else the timings are of something else
-    per_request, pool = args.input_len + args.output_len, engine.kv_pool.num_slots - 1
+    per_request, pool = args.input_len + args.output_len, engine.kv_pool.capacity
     if per_request > engine.context_length or max_bs * per_request > pool:
         raise UsageError(f"batch {max_bs} of {args.input_len} + {args.output_len} tokens does not fit: the context "
                          f"holds {engine.context_length} tokens, the KV cache {pool}")
-    engine.max_prefill_tokens = max_bs * args.input_len
-    engine.chunked_prefill_size = 0  # the whole batch in the one prefill step this reports
     graphs = "on" if engine.graph_runner is not None else "off"
     ranks = f" (rank 0 of {engine.tp.size})" if engine.tp else ""
     print(f"{args.model}: {engine.cfg.architecture}, {engine.dtype}, {engine.device}{ranks}, CUDA graphs {graphs}, "

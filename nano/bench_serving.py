@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from nano.generate import ArgumentParser, UsageError, cli
+from nano.cli import ArgumentParser, UsageError, cli
 
 
 @dataclass

@@ -19,7 +19,7 @@ torch is imported inside the functions, not at the top: see `cli` in generate.py
 
 import time
 
-from nano.generate import ArgumentParser, UsageError, add_engine_args, cli, engine_from_args, resolve_model_or_shape
+from nano.cli import ArgumentParser, UsageError, add_engine_args, build_engine, cli, resolve_model_or_shape
 
 
 def random_requests(num: int, input_range: tuple[int, int], output_range: tuple[int, int], vocab: int,
@@ -90,7 +90,7 @@ def run(args):
     for flag, (low, high) in [("--input-len", args.input_len), ("--output-len", args.output_len)]:
         if not 1 <= low <= high:
             raise UsageError(f"{flag} {low} {high}: need 1 <= MIN <= MAX")
-    engine = engine_from_args(args, model_dir := resolve_model_or_shape(args))
+    engine = build_engine(args, model_dir := resolve_model_or_shape(args))
     longest = args.input_len[1] + args.output_len[1]
     if longest > engine.context_length:  # else the engine cuts requests short, and the count is of fewer tokens
         raise UsageError(f"the longest request, {args.input_len[1]} + {args.output_len[1]} tokens, does not fit "

@@ -48,8 +48,7 @@ class StaticDecodeInputs:
 
     def batch(self, bs: int) -> ForwardBatch:
         """A decode batch over the first bs rows of the buffers."""
-        return ForwardBatch(is_decode=True, **{name: getattr(self, name)[:bs] for name in self.FIELDS},
-                            seq_lens_cpu=[1] * bs)  # never read on the decode path; keeps batch_size right
+        return ForwardBatch(is_decode=True, **{name: getattr(self, name)[:bs] for name in self.FIELDS})
 
     def fill(self, batch: ForwardBatch) -> int:
         """Copy the real batch into the first rows and pad it to its bucket -> the padded size.
@@ -71,11 +70,6 @@ class CudaGraphRunner:
         self.graphs, self.logits = {}, {}
         self.capture(log)
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """What a graph records: the backend's metadata for the batch, then the model."""
-        self.attn.init_forward_metadata(batch)
-        return self.model(batch, self.attn)
-
     def capture(self, log: bool):
         started, free_before = time.perf_counter(), torch.cuda.mem_get_info()[0]
         pool = torch.cuda.graph_pool_handle()
@@ -86,11 +80,11 @@ class CudaGraphRunner:
             batch = self.inputs.batch(bs)
             try:
                 for _ in range(2):  # warm-up: compiles Triton kernels, settles the allocator
-                    self.forward(batch)
+                    self.model(batch, self.attn)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self.logits[bs] = self.forward(batch)
+                    self.logits[bs] = self.model(batch, self.attn)
             except torch.cuda.OutOfMemoryError:
                 raise GraphCaptureError(
                     f"out of GPU memory while capturing the CUDA graph for batch size {bs}: lower "

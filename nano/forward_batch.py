@@ -51,17 +51,16 @@ class ForwardBatch:
     out_cache_loc: torch.Tensor  # [T] int32: pool slot of each new token
     req_pool_indices: torch.Tensor  # [B] int32: row of each request in req_to_token
     seq_lens: torch.Tensor  # [B] int32: tokens of each request after this pass
-    seq_lens_cpu: list[int]
+    seq_lens_cpu: list[int] | None = None  # None in a CUDA graph's batch, whose lengths the host never reads
     # extend only
     prefix_lens: torch.Tensor | None = None  # [B] int32
     extend_lens: torch.Tensor | None = None  # [B] int32
     extend_start_loc: torch.Tensor | None = None  # [B] int32: first of each request's tokens in [T]
-    prefix_lens_cpu: list[int] | None = None
     extend_lens_cpu: list[int] | None = None
 
     @property
     def batch_size(self) -> int:
-        return len(self.seq_lens_cpu)
+        return self.req_pool_indices.shape[0]  # a shape, known on the host: no sync
 
     @classmethod
     def extend(cls, input_ids: list[int], prefix_lens: list[int], extend_lens: list[int],
@@ -87,7 +86,6 @@ class ForwardBatch:
             prefix_lens=dev(prefix_lens),
             extend_lens=dev(extend_lens),
             extend_start_loc=dev(starts),
-            prefix_lens_cpu=list(prefix_lens),
             extend_lens_cpu=list(extend_lens),
         )
 

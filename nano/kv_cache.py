@@ -28,10 +28,12 @@ CPU_KV_CACHE_MAX_BYTES = 1 << 30
 
 
 class KVPool:
-    def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device, use_mla: bool):
+    def __init__(self, cfg: ModelConfig, capacity: int, dtype: torch.dtype, device, use_mla: bool):
+        """capacity: the tokens it holds; it has one slot more, the reserved slot 0."""
         shapes = kv_shapes(cfg, use_mla)
         (kv_heads, k_dim), (_, v_dim) = shapes
-        self.num_slots, self.use_mla = num_slots, use_mla
+        self.capacity, self.use_mla = capacity, use_mla
+        num_slots = capacity + 1
         self.k_buffers = [
             torch.zeros(num_slots, kv_heads, k_dim, dtype=dtype, device=device) for _ in range(cfg.num_layers)
         ]
@@ -64,15 +66,15 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, use_mla: bool) -> i
     return cfg.num_layers * per_layer * dtype.itemsize
 
 
-def slots_for_memory(cfg, dtype, device, use_mla: bool, mem_fraction: float) -> int:
-    """How many token slots fit in `mem_fraction` of the device memory that is free now (on CPU,
+def tokens_for_memory(cfg, dtype, device, use_mla: bool, mem_fraction: float) -> int:
+    """How many tokens' K/V (and the reserved slot) fit in `mem_fraction` of the device memory that is free now (on CPU,
     in at most CPU_KV_CACHE_MAX_BYTES)."""
     device = torch.device(device)
     free = free_bytes(device)
     budget = CPU_KV_CACHE_MAX_BYTES if free is None else int(free * mem_fraction)
     if device.type == "cpu":
         budget = min(budget, CPU_KV_CACHE_MAX_BYTES)
-    return max(budget // kv_bytes_per_token(cfg, dtype, use_mla), 2)
+    return max(budget // kv_bytes_per_token(cfg, dtype, use_mla) - 1, 1)
 
 
 class ReqToTokenPool:
@@ -88,9 +90,9 @@ class ReqToTokenPool:
 
 
 class SlotAllocator:
-    def __init__(self, num_slots: int, device):
-        # Slot 0 is never handed out (see the module lesson).
-        self.free_slots = torch.arange(1, num_slots, dtype=torch.int32, device=device)
+    def __init__(self, capacity: int, device):
+        # Slot 0 is never handed out (see the module lesson): slots 1..capacity are.
+        self.free_slots = torch.arange(1, capacity + 1, dtype=torch.int32, device=device)
 
     @property
     def available(self) -> int:

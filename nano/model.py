@@ -124,8 +124,9 @@ class CausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
 
     def forward(self, batch: ForwardBatch, attn) -> torch.Tensor:
-        """-> logits [B, vocab] (float32) of each request's last token. The caller has run
-        `attn.init_forward_metadata(batch)` (engine.py, cuda_graph_runner.py)."""
+        """-> logits [B, vocab] (float32) of each request's last token. A CUDA graph records all of
+        it, the backend's per-pass metadata included (cuda_graph_runner.py)."""
+        attn.init_forward_metadata(batch)
         x, residual = self.embed(batch.input_ids), None  # [T, hidden]
         for layer in self.layers:
             x, residual = layer(x, residual, batch, attn)

@@ -17,7 +17,8 @@ Two places need care:
   decoders change how a token reads depending on its neighbours (a SentencePiece "▁" is dropped at
   the start of a text). `StreamDecoder` therefore decodes a short window of recent tokens twice,
   with and without the newest ones, prints the difference, and holds text back while it still ends
-  in a half-finished character.
+  in a half-finished character. The server's `Detokenizer` also holds back text that may be the
+  start of a stop string, and cuts the text where one begins.
 """
 
 import json
@@ -122,8 +123,8 @@ class Tokenizer:
             ids.insert(0, self.bos_token_id)
         return ids
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
 
 
 class StreamDecoder:
@@ -152,6 +153,28 @@ class StreamDecoder:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         return text[len(printed) :]
+
+
+class Detokenizer:
+    """One request's tokens to text for the server: StreamDecoder's pieces, held back while they
+    may be the start of a stop string, and cut where one begins. Without a tokenizer (a shipped
+    shape serving token ids) there is no text."""
+
+    def __init__(self, tokenizer: Tokenizer | None, context_ids: list[int], stop: list[str]):
+        self.decoder = StreamDecoder(tokenizer, context_ids) if tokenizer else None
+        self.stop, self.held = stop, ""
+
+    def push(self, token: int) -> tuple[str, bool]:
+        """-> (text to send now, whether a stop string was reached)."""
+        if self.decoder is None:
+            return "", False
+        text = self.held + self.decoder.push(token)
+        cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if cuts:
+            return text[: min(cuts)], True
+        held = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        self.held = text[len(text) - held :]
+        return text[: len(text) - held], False
 
 
 def _read_json(path: Path) -> dict:

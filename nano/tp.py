@@ -48,7 +48,7 @@ MLP) and reads only its block of each checkpoint tensor (`checkpoint_shard`, loa
 Processes. Rank 0 is the process the user runs: the scheduler, the tokenizer and sampling live
 there. It starts ranks 1..N-1 itself (`launch`: torch.multiprocessing, spawn); each builds the
 same Engine on its own GPU (its weight shards, its part of the KV cache, its CUDA graphs) and then
-follows (`_serve`): for every forward pass rank 0 sends the batch, every rank runs the same pass,
+follows (engine.py's `run_tp_worker`): for every forward pass rank 0 sends the batch, every rank runs the same pass,
 and they meet at the same all-reduces. The batch travels in two parts: its host fields through a
 pipe (which also lets an idle worker wait for as long as rank 0 has no work), its tensors packed
 as bytes into one broadcast, GPU to GPU, that rank 0's host never waits for. CUDA graphs capture the NCCL
@@ -218,9 +218,9 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device.type == "cuda" else device
 
 
-def launch(cfg: ModelConfig, engine_args: dict) -> TensorParallel:
-    """Rank 0: start ranks 1..N-1, each building an Engine from `engine_args`, and join them."""
-    size, device = engine_args["tp_size"], torch.device(engine_args["device"])
+def launch(cfg: ModelConfig, size: int, device: torch.device, worker) -> TensorParallel:
+    """Rank 0: start ranks 1..size-1, each running `worker(rank, port, pipe)` (engine.py's
+    `run_tp_worker`: it builds the same engine and follows), and join them."""
     shard_config(cfg, size)  # a model that cannot be split fails here, before any process starts
     if device.type == "cuda" and torch.cuda.device_count() < size:
         raise ConfigError(f"tensor parallelism over {size} GPUs, but {torch.cuda.device_count()} are visible")
@@ -231,25 +231,12 @@ def launch(cfg: ModelConfig, engine_args: dict) -> TensorParallel:
     pipes, workers = [], []
     for rank in range(1, size):
         receiver, sender = context.Pipe(duplex=False)
-        worker = context.Process(target=_serve, args=(rank, port, receiver, engine_args), daemon=True)
-        worker.start()
+        process = context.Process(target=worker, args=(rank, port, receiver), daemon=True)
+        process.start()
         receiver.close()
         pipes.append(sender)
-        workers.append(worker)
+        workers.append(process)
     return TensorParallel(0, size, port, rank_device(device, 0), pipes, workers)
-
-
-def _serve(rank: int, port: int, pipe, engine_args: dict):
-    """A worker's life: build the Engine's rank `rank`, then run every pass rank 0 sends."""
-    from nano.engine import Engine  # engine.py imports this module
-
-    device = rank_device(torch.device(engine_args["device"]), rank)
-    group = TensorParallel(rank, engine_args["tp_size"], port, device, pipes=[pipe])
-    engine = Engine(**engine_args | {"log": False}, tp_group=group)
-    req_to_token = engine.req_to_token_pool.req_to_token
-    while (batch := group.receive_batch(req_to_token)) is not None:
-        engine._forward(batch)  # the engine's own pass: a graph replay when one fits, as on rank 0
-    engine.close()
 
 
 # ---- the model's communication ----------------------------------------------------------------

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 sys.path.insert(0, ".")
 from nano.config import load_config  # noqa: E402
 from nano.forward_batch import batch_bucket  # noqa: E402
-from nano.generate import SHIPPED_CONFIGS  # noqa: E402
+from nano.cli import SHIPPED_CONFIGS  # noqa: E402
 from nano.tp import shard_config  # noqa: E402
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, ".")
-from nano.generate import add_engine_args, engine_from_args, resolve_model_or_shape  # noqa: E402
+from nano.cli import add_engine_args, build_engine, resolve_model_or_shape  # noqa: E402
 from nano.sampling import SamplingParams  # noqa: E402
 
 
@@ -49,7 +49,7 @@ def build(args, model_dir, **overrides):
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return engine_from_args(argparse.Namespace(**(vars(args) | overrides)), model_dir)
+    return build_engine(argparse.Namespace(**(vars(args) | overrides)), model_dir)
 
 
 def shared_prefix_round(engine, args, seed) -> tuple[float, int, int]:

@@ -9,17 +9,17 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, ".")
-from nano.engine import Engine  # noqa: E402
-from nano.generate import SHIPPED_CONFIGS  # noqa: E402
+from nano.engine import Engine, EngineConfig  # noqa: E402
+from nano.cli import SHIPPED_CONFIGS  # noqa: E402
 from nano.sampling import SamplingParams  # noqa: E402
 
 
 def main():
     shape, bs = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1
     tp = int(sys.argv[3]) if len(sys.argv) > 3 else 1
-    engine = Engine(SHIPPED_CONFIGS / shape, device="cuda", dtype=torch.bfloat16, attention_backend="triton",
-                    load_format="dummy", max_total_tokens=bs * 200 + 1, max_requests=max(bs, 8), cuda_graph=True,
-                    cuda_graph_max_bs=max(bs, 8), tp_size=tp, log=False)
+    engine = Engine(SHIPPED_CONFIGS / shape, EngineConfig(device="cuda", dtype=torch.bfloat16, attention_backend="triton",
+                    load_format="dummy", max_total_tokens=bs * 200 + 1, max_running_requests=max(bs, 8), cuda_graph=True,
+                    cuda_graph_max_bs=max(bs, 8), tp_size=tp, log=False))
     for _ in range(bs):
         engine.add_request(list(range(10, 138)), SamplingParams(max_new_tokens=40, ignore_eos=True))
     engine.step()  # prefill

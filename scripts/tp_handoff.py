@@ -14,8 +14,8 @@ import torch
 
 sys.path.insert(0, ".")
 from nano import tp as tp_module  # noqa: E402
-from nano.engine import Engine  # noqa: E402
-from nano.generate import SHIPPED_CONFIGS  # noqa: E402
+from nano.engine import Engine, EngineConfig  # noqa: E402
+from nano.cli import SHIPPED_CONFIGS  # noqa: E402
 from nano.sampling import SamplingParams  # noqa: E402
 
 # Module level, so that the spawned rank, which imports this file as __mp_main__, is patched too.
@@ -56,9 +56,9 @@ Engine.close = close_and_save
 
 def main():
     shape, bs = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1
-    engine = Engine(SHIPPED_CONFIGS / shape, device="cuda", dtype=torch.bfloat16, attention_backend="triton",
-                    load_format="dummy", max_total_tokens=bs * 300 + 1, max_requests=max(bs, 8), cuda_graph=True,
-                    cuda_graph_max_bs=max(bs, 8), tp_size=2, log=False)
+    engine = Engine(SHIPPED_CONFIGS / shape, EngineConfig(device="cuda", dtype=torch.bfloat16, attention_backend="triton",
+                    load_format="dummy", max_total_tokens=bs * 300 + 1, max_running_requests=max(bs, 8), cuda_graph=True,
+                    cuda_graph_max_bs=max(bs, 8), tp_size=2, log=False))
     for _ in range(bs):
         engine.add_request(list(range(10, 138)), SamplingParams(max_new_tokens=120, ignore_eos=True))
     for _ in range(20):  # prefill, warm-up decode steps

@@ -7,7 +7,7 @@ import torch
 from nano.config import load_config
 from nano.cuda_graph_runner import StaticDecodeInputs, capture_batch_sizes
 from nano.forward_batch import ForwardBatch, batch_bucket
-from nano.generate import SHIPPED_CONFIGS
+from nano.cli import SHIPPED_CONFIGS
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -101,17 +101,17 @@ def test_graphs_match_eager_as_the_batch_shrinks(shape):
     where it does).
     DeepSeek's router makes this strict: with random weights some experts' scores nearly tie, and
     any last-bit difference (an atomic add in another order) flips one and the texts part."""
-    from nano.engine import Engine
-    from nano.generate import SHIPPED_CONFIGS
+    from nano.engine import Engine, EngineConfig
+    from nano.cli import SHIPPED_CONFIGS
     from nano.sampling import SamplingParams
 
     prompts = _random_prompts(13, 32000, seed=0)
     params = [SamplingParams(max_new_tokens=4 + 3 * i, ignore_eos=True) for i in range(13)]
     # The prefix cache is off: the modes share one engine, and a cache warmed by the first mode
     # would make the later ones prefill less, round differently, and part for that reason alone.
-    engine = Engine(SHIPPED_CONFIGS / shape, device="cuda", dtype=torch.bfloat16, attention_backend="triton",
-                    load_format="dummy", max_total_tokens=8192, max_requests=32, cuda_graph=True,
-                    cuda_graph_max_bs=32, radix_cache=False, log=False)
+    engine = Engine(SHIPPED_CONFIGS / shape, EngineConfig(device="cuda", dtype=torch.bfloat16, attention_backend="triton",
+                    load_format="dummy", max_total_tokens=8192, max_running_requests=32, cuda_graph=True,
+                    cuda_graph_max_bs=32, radix_cache=False, log=False))
     runs = {}
     runner = engine.graph_runner
     captured = runner.graphs

@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from nano import deepseek  # noqa: E402
 from nano.config import parse_config  # noqa: E402
-from nano.engine import Engine  # noqa: E402
+from nano.engine import Engine, EngineConfig  # noqa: E402
 from nano.sampling import SamplingParams  # noqa: E402
 from tests.helpers import (DEEPSEEK_TINY, DEEPSEEK_VARIANTS, assert_matches_hf,  # noqa: E402
                            frequency_bands, random_prompts, record_logits, save_tiny_deepseek)
@@ -36,7 +36,7 @@ def renormalise_like_deepseek(monkeypatch):
 def run_and_compare(path, hf_model, monkeypatch, use_mla, lengths=(5, 17, 1, 40), new_tokens=6):
     steps = record_logits(monkeypatch)
     prompts = random_prompts(list(lengths), DEEPSEEK_TINY["vocab_size"])
-    engine = Engine(path, max_total_tokens=256, use_mla=use_mla, log=False)
+    engine = Engine(path, EngineConfig(max_total_tokens=256, use_mla=use_mla, log=False))
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
     assert all(len(o) == new_tokens for o in outputs)
     assert_matches_hf(hf_model, prompts, outputs, steps)
@@ -103,7 +103,7 @@ def test_bfloat16_on_gpu_matches_hf_float32(tmp_path, monkeypatch, use_mla, back
     hf_model = save_tiny_deepseek(tmp_path, "lite")
     steps = record_logits(monkeypatch)
     prompts = random_prompts([5, 17, 1, 40], DEEPSEEK_TINY["vocab_size"])
-    engine = Engine(tmp_path, device="cuda", dtype=torch.bfloat16, attention_backend=backend,
-                    max_total_tokens=256, use_mla=use_mla, log=False)
+    engine = Engine(tmp_path, EngineConfig(device="cuda", dtype=torch.bfloat16, attention_backend=backend,
+                    max_total_tokens=256, use_mla=use_mla, log=False))
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))
     assert_matches_hf(hf_model, prompts, outputs, steps, max_rel_error=0.1)  # see the Llama twin

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from nano import default_model
 from nano.config import load_config
-from nano.engine import Engine
+from nano.engine import Engine, EngineConfig
 from nano.sampling import SamplingParams
 from nano.tokenizer import Tokenizer
 
@@ -61,7 +61,7 @@ def test_nano_greedy_tokens_equal_hf_on_the_gguf(smollm2_dir, reference):
     tokenizer = Tokenizer(smollm2_dir)
     prompts = ["What is the capital of France?", "Write a haiku about the sea.", "Explain recursion to a child."]
     prompt_ids = [tokenizer.encode_prompt(p, use_chat_template=True) for p in prompts]
-    engine = Engine(smollm2_dir, max_total_tokens=1024, log=False)
+    engine = Engine(smollm2_dir, EngineConfig(max_total_tokens=1024, log=False))
     ours = engine.generate(prompt_ids, SamplingParams(max_new_tokens=32, ignore_eos=True))
     for ids, out in zip(prompt_ids, ours):
         expected = list(ids)

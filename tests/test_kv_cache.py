@@ -3,16 +3,16 @@
 import torch
 
 from nano.config import load_config
-from nano.kv_cache import CPU_KV_CACHE_MAX_BYTES, SlotAllocator, kv_bytes_per_token, slots_for_memory
+from nano.kv_cache import CPU_KV_CACHE_MAX_BYTES, SlotAllocator, kv_bytes_per_token, tokens_for_memory
 from nano.memory import free_bytes
 from tests.helpers import LLAMA_TINY, random_prompts, save_tiny_llama
 
-from nano.engine import Engine
+from nano.engine import Engine, EngineConfig
 from nano.sampling import SamplingParams
 
 
 def test_allocator_never_hands_out_slot_zero_or_twice_and_reuses_freed():
-    alloc = SlotAllocator(64, "cpu")
+    alloc = SlotAllocator(63, "cpu")
     assert alloc.available == 63
     held = [alloc.alloc(n) for n in (5, 20, 1, 37)]
     assert alloc.alloc(1) is None  # all 63 are out
@@ -28,29 +28,29 @@ def test_cpu_pool_is_a_fraction_of_available_memory_capped():
     cfg = load_config("nano/configs/smollm2-135m")
     per_token = kv_bytes_per_token(cfg, torch.float32, use_mla=False)
     cpu = torch.device("cpu")
-    assert slots_for_memory(cfg, torch.float32, cpu, False, 0.85) == CPU_KV_CACHE_MAX_BYTES // per_token
+    assert tokens_for_memory(cfg, torch.float32, cpu, False, 0.85) == CPU_KV_CACHE_MAX_BYTES // per_token - 1
     fraction = 2**29 / free_bytes(cpu)  # half a GiB of what the host has available (it moves a little)
-    assert 0.9 * 2**29 < slots_for_memory(cfg, torch.float32, cpu, False, fraction) * per_token < 1.1 * 2**29
+    assert 0.9 * 2**29 < tokens_for_memory(cfg, torch.float32, cpu, False, fraction) * per_token < 1.1 * 2**29
 
 
 def test_batch_equals_single_runs_and_more_prompts_than_pool(tmp_path):
     save_tiny_llama(tmp_path, "gqa")
     prompts = random_prompts([3, 30, 11, 7, 25, 1, 16], LLAMA_TINY["vocab_size"], seed=5)
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
-    singles = [Engine(tmp_path, max_total_tokens=64, log=False).generate([p], params)[0] for p in prompts]
+    singles = [Engine(tmp_path, EngineConfig(max_total_tokens=64, log=False)).generate([p], params)[0] for p in prompts]
     # the pool holds 64 tokens: at most two or three of these requests at once, so the others
     # wait and join as earlier ones finish (continuous batching)
-    engine = Engine(tmp_path, max_total_tokens=64, log=False)
+    engine = Engine(tmp_path, EngineConfig(max_total_tokens=64, log=False))
     batched = engine.generate(prompts, params)
     assert batched == singles
     # everything given back: free, or kept by the prefix cache
-    assert engine.slots.available + engine.prefix_cache.size == 64 and engine.unreserved_slots == 64
+    assert engine.slots.available + engine.prefix_cache.size == 64 and engine.scheduler.free_room == 64
 
 
 def test_stop_ids_end_requests_on_their_own(tmp_path):
     save_tiny_llama(tmp_path, "mha")
     prompts = random_prompts([4, 9, 14], LLAMA_TINY["vocab_size"], seed=2)
-    engine = Engine(tmp_path, max_total_tokens=200, log=False)
+    engine = Engine(tmp_path, EngineConfig(max_total_tokens=200, log=False))
     free_run = engine.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True))
     stop = free_run[1][3]  # request 1 must stop at its 4th token
     stopped = engine.generate(prompts, SamplingParams(max_new_tokens=10), stop_ids={stop})
@@ -63,7 +63,7 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tmp_path):
     save_tiny_llama(tmp_path, "gqa")
     prompts = random_prompts([6, 13, 2], LLAMA_TINY["vocab_size"], seed=3)
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_new_tokens=8, seed=11, ignore_eos=True)
-    engine = Engine(tmp_path, max_total_tokens=200, log=False)
+    engine = Engine(tmp_path, EngineConfig(max_total_tokens=200, log=False))
     batched = engine.generate(prompts, params)
     singles = [engine.generate([p], params)[0] for p in prompts]
     assert batched == singles

@@ -11,7 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from nano.config import parse_config  # noqa: E402
-from nano.engine import Engine  # noqa: E402
+from nano.engine import Engine, EngineConfig  # noqa: E402
 from nano.sampling import SamplingParams  # noqa: E402
 from tests.helpers import (LLAMA_TINY, LLAMA_VARIANTS, assert_matches_hf, frequency_bands,  # noqa: E402
                            random_prompts, record_logits, save_tiny_llama)
@@ -31,7 +31,7 @@ def test_prefill_and_decode_match_hf(tmp_path, monkeypatch, variant):
     steps = record_logits(monkeypatch)
     # the llama3 variant's original context is 32: prompts run past it
     prompts = random_prompts([5, 17, 1, 60], LLAMA_TINY["vocab_size"])
-    engine = Engine(tmp_path, max_total_tokens=512, log=False)
+    engine = Engine(tmp_path, EngineConfig(max_total_tokens=512, log=False))
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))
     assert all(len(o) == 6 for o in outputs)
     assert_matches_hf(hf_model, prompts, outputs, steps)
@@ -42,7 +42,7 @@ def test_transformers4_config_form(tmp_path, monkeypatch):
     assert "rope_scaling" in json.loads((tmp_path / "config.json").read_text())
     steps = record_logits(monkeypatch)
     prompts = random_prompts([40, 3], LLAMA_TINY["vocab_size"])
-    outputs = Engine(tmp_path, max_total_tokens=256, log=False).generate(
+    outputs = Engine(tmp_path, EngineConfig(max_total_tokens=256, log=False)).generate(
         prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))
     assert_matches_hf(hf_model, prompts, outputs, steps)
 
@@ -56,7 +56,7 @@ def test_bfloat16_on_gpu_matches_hf_float32(tmp_path, monkeypatch, variant):
     hf_model = save_tiny_llama(tmp_path, variant)
     steps = record_logits(monkeypatch)
     prompts = random_prompts([5, 17, 1, 60], LLAMA_TINY["vocab_size"])
-    engine = Engine(tmp_path, device="cuda", dtype=torch.bfloat16, max_total_tokens=512, log=False)
+    engine = Engine(tmp_path, EngineConfig(device="cuda", dtype=torch.bfloat16, max_total_tokens=512, log=False))
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))
     assert_matches_hf(hf_model, prompts, outputs, steps, max_rel_error=0.1)
 
@@ -69,6 +69,6 @@ def test_sharded_checkpoint(tmp_path, monkeypatch):
     assert len(list(tmp_path.glob("model-*.safetensors"))) > 2 and (tmp_path / "model.safetensors.index.json").exists()
     steps = record_logits(monkeypatch)
     prompts = random_prompts([9, 4], LLAMA_TINY["vocab_size"])
-    outputs = Engine(tmp_path, max_total_tokens=128, log=False).generate(
+    outputs = Engine(tmp_path, EngineConfig(max_total_tokens=128, log=False)).generate(
         prompts, SamplingParams(max_new_tokens=3, ignore_eos=True))
     assert_matches_hf(hf_model, prompts, outputs, steps)

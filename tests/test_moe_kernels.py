@@ -14,7 +14,7 @@ import triton
 
 from nano.config import load_config
 from nano.deepseek import MoE
-from nano.generate import SHIPPED_CONFIGS
+from nano.cli import SHIPPED_CONFIGS
 from nano.moe_kernels import align_pairs_by_expert, expert_matvec, fused_moe_config, fused_moe_matmul
 from tests.helpers import DEVICE, DTYPES, assert_close, gpu, nan_allocations, randn
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from nano.engine import Engine
+from nano.engine import Engine, EngineConfig
 from nano.sampling import SamplingParams
 from tests.helpers import LLAMA_TINY, random_prompts, save_tiny_llama
 
@@ -14,7 +14,7 @@ POOL = 400
 
 
 def engine_for(path, overlap):
-    return Engine(path, max_total_tokens=POOL, max_requests=8, overlap=overlap, log=False)
+    return Engine(path, EngineConfig(max_total_tokens=POOL, max_running_requests=8, overlap=overlap, log=False))
 
 
 def all_slots_back(engine):
@@ -58,7 +58,7 @@ def test_a_request_aborted_while_its_pass_runs_leaves_no_trace(tmp_path):
     victim, *others = [engine.add_request(p, params) for p in prompts]
     for _ in range(4):
         engine.step()
-    assert engine.in_flight is not None and victim.rid in engine.in_flight.rids
+    assert engine.in_flight is not None and victim in engine.in_flight.reqs and victim.in_flight == 1
     engine.abort(victim)
     while engine.has_work():
         engine.step()
@@ -79,12 +79,12 @@ def test_random_arrivals_aborts_and_stops_keep_every_slot_accounted_for(tmp_path
     prompts = [rng.choice(stems)[: rng.randrange(1, 17)] + random_prompts([rng.randrange(1, 7)], vocab,
                                                                          seed=1000 * seed + i)[0] for i in range(16)]
     params = [SamplingParams(max_new_tokens=rng.randrange(1, 10)) for _ in prompts]
-    plain = Engine(tmp_path, max_total_tokens=POOL, radix_cache=False, chunked_prefill_size=0, overlap=False, log=False)
+    plain = Engine(tmp_path, EngineConfig(max_total_tokens=POOL, radix_cache=False, chunked_prefill_size=0, overlap=False, log=False))
     stop_ids = {out[rng.randrange(len(out))] for out in rng.sample(plain.generate(prompts, params), 4)}
     expected = plain.generate(prompts, params, stop_ids)
 
     pool = 48
-    engine = Engine(tmp_path, max_total_tokens=pool, max_requests=4, chunked_prefill_size=5, log=False)
+    engine = Engine(tmp_path, EngineConfig(max_total_tokens=pool, max_running_requests=4, chunked_prefill_size=5, log=False))
     cache, pending, reqs, aborted = engine.prefix_cache, list(range(len(prompts))), {}, set()
     while pending or engine.has_work():
         for i in pending[: rng.randrange(3)]:
@@ -96,11 +96,10 @@ def test_random_arrivals_aborts_and_stops_keep_every_slot_accounted_for(tmp_path
                 aborted.add(i)
             engine.abort(reqs[i])
         engine.step()
-        admitted = engine.running + ([engine.chunked] if engine.chunked else [])
-        in_flight = engine.in_flight.rids if engine.in_flight else set()
-        own = {r.rid: r.kv_len - r.cached_len + (r.rid in in_flight) for r in admitted}
+        admitted = engine.scheduler.running + ([engine.scheduler.chunked] if engine.scheduler.chunked else [])
+        own = {r.rid: r.kv_len - r.cached_len + r.in_flight for r in admitted}
         assert engine.slots.available + cache.size + sum(own.values()) == pool
     assert aborted and len(aborted) < len(prompts)
     for i, req in reqs.items():
         assert req.output_ids == (expected[i] if i not in aborted else expected[i][: len(req.output_ids)]), i
-    assert engine.slots.available + cache.size == pool and cache.locked_size == 0 and engine.unreserved_slots == pool
+    assert engine.slots.available + cache.size == pool and cache.locked_size == 0 and engine.scheduler.free_room == pool

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from nano.engine import Engine
+from nano.engine import Engine, EngineConfig
 from nano.kv_cache import SlotAllocator
 from nano.radix_cache import RadixCache
 from nano.sampling import SamplingParams
@@ -37,7 +37,7 @@ def reference_match(ref: dict[tuple, int], tokens: list[int]) -> list[int]:
 def test_radix_tree_agrees_with_a_naive_reference_under_random_operations():
     rng = random.Random(0)
     pool = 96
-    allocator = SlotAllocator(pool + 1, "cpu")
+    allocator = SlotAllocator(pool, "cpu")
     tree = RadixCache(allocator)
     ref: dict[tuple, int] = {}  # prefix -> slot: the whole cache, one entry per cached token
     locks: list[tuple] = []  # (node, the prefix it ends at)
@@ -106,7 +106,7 @@ def test_radix_tree_agrees_with_a_naive_reference_under_random_operations():
 
 
 def test_eviction_takes_the_least_recently_used_leaf_first():
-    allocator = SlotAllocator(33, "cpu")
+    allocator = SlotAllocator(32, "cpu")
     tree = RadixCache(allocator)
     for tokens in ([1, 2, 3, 4], [5, 6], [7, 8]):
         tree.insert(tokens, allocator.alloc(len(tokens)))
@@ -147,15 +147,15 @@ def save_model(path, model):
 def test_greedy_tokens_same_with_and_without_prefix_cache_and_chunking(tmp_path, model):
     args = save_model(tmp_path, model) | dict(max_total_tokens=160, log=False)
     prompts = shared_prefix_prompts()
-    expected = Engine(tmp_path, radix_cache=False, chunked_prefill_size=0, **args).generate(prompts, PARAMS)
+    expected = Engine(tmp_path, EngineConfig(radix_cache=False, chunked_prefill_size=0, **args)).generate(prompts, PARAMS)
     for chunk in [0, 1, 2, 3, 8]:
-        engine = Engine(tmp_path, chunked_prefill_size=chunk, **args)
+        engine = Engine(tmp_path, EngineConfig(chunked_prefill_size=chunk, **args))
         # one by one, so later prompts find earlier ones cached; then all again, every prompt cached
         assert [engine.generate([p], PARAMS)[0] for p in prompts] == expected, f"chunk {chunk}"
         assert engine.generate(prompts, PARAMS) == expected, f"chunk {chunk}, second round"
         assert engine.stats["cached_tokens"] >= sum(len(p) - 1 for p in prompts)  # the second round's alone
-        assert engine.slots.available + engine.prefix_cache.size == 160 and engine.unreserved_slots == 160
-    plain_chunked = Engine(tmp_path, radix_cache=False, chunked_prefill_size=3, **args)
+        assert engine.slots.available + engine.prefix_cache.size == 160 and engine.scheduler.free_room == 160
+    plain_chunked = Engine(tmp_path, EngineConfig(radix_cache=False, chunked_prefill_size=3, **args))
     assert plain_chunked.generate(prompts, PARAMS) == expected
     assert plain_chunked.slots.available == 160
 
@@ -166,8 +166,8 @@ def test_triton_backend_with_prefix_cache_and_chunks_equals_torch(tmp_path, mode
     """The interpreter is slow: few prompts, one chunk size, one decode step each."""
     args = save_model(tmp_path, model) | dict(max_total_tokens=160, log=False)
     prompts, params = shared_prefix_prompts()[:3], SamplingParams(max_new_tokens=2, ignore_eos=True)
-    expected = Engine(tmp_path, radix_cache=False, chunked_prefill_size=0, **args).generate(prompts, params)
-    engine = Engine(tmp_path, attention_backend="triton", chunked_prefill_size=3, **args)
+    expected = Engine(tmp_path, EngineConfig(radix_cache=False, chunked_prefill_size=0, **args)).generate(prompts, params)
+    engine = Engine(tmp_path, EngineConfig(attention_backend="triton", chunked_prefill_size=3, **args))
     assert engine.generate(prompts[:1], params) + engine.generate(prompts[1:], params) == expected
     assert engine.stats["cached_tokens"] == 13 + 14  # prompts 1 and 2 start with prompt 0's stem
 
@@ -175,7 +175,7 @@ def test_triton_backend_with_prefix_cache_and_chunks_equals_torch(tmp_path, mode
 def test_second_turn_computes_only_its_new_tokens(tmp_path):
     save_tiny_llama(tmp_path, "gqa")
     turn1, user2 = random_prompts([17, 6], LLAMA_TINY["vocab_size"], seed=3)
-    engine = Engine(tmp_path, max_total_tokens=128, log=False)
+    engine = Engine(tmp_path, EngineConfig(max_total_tokens=128, log=False))
     answer1 = engine.generate([turn1], PARAMS)[0]
     turn2 = turn1 + answer1 + user2
     before = dict(engine.stats)
@@ -183,7 +183,7 @@ def test_second_turn_computes_only_its_new_tokens(tmp_path):
     # cached: turn 1's prompt and answer, but the answer's last token, which was never fed back
     assert engine.stats["cached_tokens"] - before["cached_tokens"] == len(turn1) + len(answer1) - 1
     assert engine.stats["prefill_tokens"] - before["prefill_tokens"] == len(turn2)
-    plain = Engine(tmp_path, max_total_tokens=128, radix_cache=False, log=False)
+    plain = Engine(tmp_path, EngineConfig(max_total_tokens=128, radix_cache=False, log=False))
     assert answer2 == plain.generate([turn2], PARAMS)[0]
 
 
@@ -194,11 +194,11 @@ def test_small_pool_randomized_run_never_leaks_and_matches_the_plain_engine(tmp_
     prompts = [rng.choice(stems)[: rng.randrange(1, 21)] + random_prompts([rng.randrange(1, 9)], LLAMA_TINY["vocab_size"],
                                                                          seed=100 + i)[0] for i in range(24)]
     params = [SamplingParams(max_new_tokens=rng.randrange(1, 9), ignore_eos=True) for _ in prompts]
-    expected = Engine(tmp_path, max_total_tokens=200, radix_cache=False, chunked_prefill_size=0,
-                      log=False).generate(prompts, params)
+    expected = Engine(tmp_path, EngineConfig(max_total_tokens=200, radix_cache=False, chunked_prefill_size=0,
+                      log=False)).generate(prompts, params)
 
     pool = 48  # two or three requests at a time; the cache must keep evicting
-    engine = Engine(tmp_path, max_total_tokens=pool, max_requests=4, chunked_prefill_size=5, log=False)
+    engine = Engine(tmp_path, EngineConfig(max_total_tokens=pool, max_running_requests=4, chunked_prefill_size=5, log=False))
     cache, reqs, pending = engine.prefix_cache, [], list(zip(prompts, params))
     while pending or engine.has_work():
         for _ in range(rng.randrange(3) if pending else 0):  # requests arrive while others run
@@ -206,17 +206,13 @@ def test_small_pool_randomized_run_never_leaks_and_matches_the_plain_engine(tmp_
             if not pending:
                 break
         engine.step()
-        admitted = engine.running + ([engine.chunked] if engine.chunked else [])
+        admitted = engine.scheduler.running + ([engine.scheduler.chunked] if engine.scheduler.chunked else [])
         # slots a request holds outside the tree: one more while a decode pass in flight writes its next token
-        in_flight = engine.in_flight.rids if engine.in_flight else set()
-        own = {r.rid: r.kv_len - r.cached_len + (r.rid in in_flight) for r in admitted}
+        own = {r.rid: r.kv_len - r.cached_len + r.in_flight for r in admitted}
         assert engine.slots.available + cache.size + sum(own.values()) == pool
         assert cache.locked_size <= sum(r.cached_len for r in admitted)
-        # the promise: what admitted requests may still need is free or evictable
-        assert engine.slots.available + cache.evictable_size >= sum(r.max_tokens - r.cached_len - own[r.rid]
-                                                                    for r in admitted)
     assert [r.output_ids for r in reqs] == expected
-    assert engine.slots.available + cache.size == pool and cache.locked_size == 0 and engine.unreserved_slots == pool
+    assert engine.slots.available + cache.size == pool and cache.locked_size == 0 and engine.scheduler.free_room == pool
     assert engine.stats["cached_tokens"] > 0
 
 
@@ -224,7 +220,7 @@ def test_running_requests_decode_between_the_chunks_of_a_long_prompt(tmp_path):
     save_tiny_llama(tmp_path, "gqa")
     short, long = random_prompts([4, 30], LLAMA_TINY["vocab_size"], seed=9)
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
-    engine = Engine(tmp_path, max_total_tokens=128, chunked_prefill_size=8, log=False)
+    engine = Engine(tmp_path, EngineConfig(max_total_tokens=128, chunked_prefill_size=8, log=False))
     running = engine.add_request(short, params)
     engine.step()
     late = engine.add_request(long, SamplingParams(max_new_tokens=3, ignore_eos=True))
@@ -232,7 +228,7 @@ def test_running_requests_decode_between_the_chunks_of_a_long_prompt(tmp_path):
     # between chunks a decode step hands its tokens out at once; once nothing waits, decode passes
     # overlap and each step hands out the tokens of the pass before (the last two steps)
     assert got == [[], [running], [], [running], [], [running], [late], [], [running, late]]
-    plain = Engine(tmp_path, max_total_tokens=128, chunked_prefill_size=0, radix_cache=False, log=False)
+    plain = Engine(tmp_path, EngineConfig(max_total_tokens=128, chunked_prefill_size=0, radix_cache=False, log=False))
     while engine.has_work():
         engine.step()
     assert [running.output_ids, late.output_ids] == plain.generate([short, long], [params, late.params])

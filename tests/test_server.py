@@ -27,8 +27,10 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("fastapi")
 
-from nano.engine import Engine  # noqa: E402
-from nano.serve import MAX_BODY_BYTES, EngineClient, build_app, run_engine  # noqa: E402
+from nano.engine import Engine, EngineConfig  # noqa: E402
+from nano.api import MAX_BODY_BYTES  # noqa: E402
+from nano.engine_process import EngineClient, run_engine  # noqa: E402
+from nano.serve import build_app  # noqa: E402
 from nano.tokenizer import Tokenizer  # noqa: E402
 from tests.helpers import assert_one_line_error, run_cli, save_tiny_chat_model  # noqa: E402
 
@@ -357,7 +359,7 @@ def test_the_engine_process_ends_with_the_server(tiny_model, tmp_path):
 
 
 def test_engine_exception_fails_its_requests_with_500_and_serving_goes_on(tiny_model, monkeypatch):
-    engine = Engine(tiny_model, max_total_tokens=10000, max_requests=8, log=False)
+    engine = Engine(tiny_model, EngineConfig(max_total_tokens=10000, max_running_requests=8, log=False))
     passes = {"done": 0, "fail_at": None}
     real_model = engine.model
 
@@ -402,7 +404,7 @@ def test_engine_exception_fails_its_requests_with_500_and_serving_goes_on(tiny_m
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the planted death
 def test_an_engine_that_dies_fails_what_it_held_and_what_comes_later(tiny_model, monkeypatch):
-    engine = Engine(tiny_model, max_total_tokens=10000, max_requests=8, log=False)
+    engine = Engine(tiny_model, EngineConfig(max_total_tokens=10000, max_running_requests=8, log=False))
 
     def step():
         raise SystemExit  # the loop itself ends, as if the engine's process were killed

@@ -16,14 +16,14 @@ import torch
 
 from nano.config import ConfigError, load_config
 from nano.cuda_graph_runner import StaticDecodeInputs
-from nano.generate import SHIPPED_CONFIGS
+from nano.cli import SHIPPED_CONFIGS
 from nano.loader import _fill_random, build_model, load_model
 from nano.sampling import SamplingParams
 from nano.tp import checkpoint_shard, shard_config
 
 transformers = pytest.importorskip("transformers")
 
-from nano.engine import Engine  # noqa: E402
+from nano.engine import Engine, EngineConfig  # noqa: E402
 from tests.helpers import random_prompts, record_logits, save_tiny_deepseek, save_tiny_llama  # noqa: E402
 
 
@@ -94,7 +94,7 @@ def test_uneven_splits_are_refused():
 
 def run(path, tp_size, prompts, monkeypatch, **engine_args):
     steps = record_logits(monkeypatch)
-    engine = Engine(path, max_total_tokens=256, tp_size=tp_size, log=False, **engine_args)
+    engine = Engine(path, EngineConfig(max_total_tokens=256, tp_size=tp_size, log=False, **engine_args))
     try:
         if tp_size > 1:
             assert [w.is_alive() for w in engine.tp.workers] == [True] * (tp_size - 1)
@@ -138,14 +138,14 @@ def pad_decode_batches(engine, max_bs):
     """Make rank 0 pad each decode batch to its graph size, as a replay pads it, before it sends
     the batch: every rank then runs the padded batch eagerly. (The padded rows write req_to_token's
     row 0, which these tests never give a request: rows are handed out from the top.)"""
-    inputs, forward = StaticDecodeInputs(max_bs, engine.device), engine._forward
+    inputs, forward = StaticDecodeInputs(max_bs, engine.device), engine.forward
 
     def padded_forward(batch):
         if not batch.is_decode:
             return forward(batch)
         return forward(inputs.batch(inputs.fill(batch)))[: batch.batch_size]
 
-    engine._forward = padded_forward
+    engine.forward = padded_forward
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
@@ -163,9 +163,9 @@ def test_graphs_match_eager_at_tp2(shape):
     params = [SamplingParams(max_new_tokens=4 + 3 * i, ignore_eos=True) for i in range(13)]
     runs = {}
     for graphs in (True, False):
-        engine = Engine(SHIPPED_CONFIGS / shape, device="cuda", dtype=torch.bfloat16, attention_backend="triton",
-                        load_format="dummy", max_total_tokens=8192, max_requests=32, cuda_graph=graphs,
-                        cuda_graph_max_bs=32, tp_size=2, radix_cache=False, log=False)
+        engine = Engine(SHIPPED_CONFIGS / shape, EngineConfig(device="cuda", dtype=torch.bfloat16, attention_backend="triton",
+                        load_format="dummy", max_total_tokens=8192, max_running_requests=32, cuda_graph=graphs,
+                        cuda_graph_max_bs=32, tp_size=2, radix_cache=False, log=False))
         try:
             modes = ["graphs"] if graphs else ["eager", "padded eager"]
             for mode in modes:

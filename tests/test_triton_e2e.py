@@ -8,25 +8,26 @@ bounds the prefill logits' relative error and prints the token match rate (run w
 import pytest
 import torch
 
-from nano.engine import Engine
+from nano.engine import Engine, EngineConfig
 from nano.sampling import SamplingParams
 from tests.helpers import LLAMA_TINY, random_prompts, record_logits, save_tiny_deepseek, save_tiny_llama
 
 
 def greedy(path, backend, prompts, **engine_args):
-    engine = Engine(path, attention_backend=backend, log=False, **engine_args)
+    engine = Engine(path, EngineConfig(attention_backend=backend, log=False, **engine_args))
     return engine.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU variant runs Triton's interpreter")
-@pytest.mark.parametrize("model", ["llama-gqa", "deepseek-mla", "deepseek-expanded"])
+@pytest.mark.parametrize("model", ["llama-gqa", "qwen2-bias", "qwen3-qk-norm-tied", "mistral", "deepseek-mla",
+                                   "deepseek-expanded"])
 def test_triton_backend_greedy_equals_torch_on_cpu(tmp_path, model):
-    if model == "llama-gqa":
-        save_tiny_llama(tmp_path, "gqa")
-        args = {}
-    else:
+    if model.startswith("deepseek"):
         save_tiny_deepseek(tmp_path, "lite")
         args = dict(use_mla=model == "deepseek-mla")
+    else:
+        save_tiny_llama(tmp_path, model.removeprefix("llama-"))
+        args = {}
     prompts = random_prompts([7, 1, 19], LLAMA_TINY["vocab_size"], seed=4)
     assert greedy(tmp_path, "triton", prompts, max_total_tokens=128, **args) == \
         greedy(tmp_path, "torch", prompts, max_total_tokens=128, **args)
@@ -35,14 +36,14 @@ def test_triton_backend_greedy_equals_torch_on_cpu(tmp_path, model):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("shape", ["smollm2-135m", "llama-3-8b", "deepseek-v2-lite"])
 def test_triton_backend_matches_torch_on_gpu(shape, monkeypatch):
-    from nano.generate import SHIPPED_CONFIGS
+    from nano.cli import SHIPPED_CONFIGS
 
     prompts = random_prompts([5, 300, 47, 1000, 2, 129, 700, 64], 32000, seed=7)
     results = {}
     for backend in ("torch", "triton"):
         steps = record_logits(monkeypatch)
-        engine = Engine(SHIPPED_CONFIGS / shape, device="cuda", dtype=torch.bfloat16, attention_backend=backend,
-                        load_format="dummy", max_total_tokens=4096, max_requests=8, log=False)
+        engine = Engine(SHIPPED_CONFIGS / shape, EngineConfig(device="cuda", dtype=torch.bfloat16, attention_backend=backend,
+                        load_format="dummy", max_total_tokens=4096, max_running_requests=8, log=False))
         outputs = engine.generate(prompts, SamplingParams(max_new_tokens=32, ignore_eos=True))
         results[backend] = (outputs, steps[0])
         del engine
@@ -64,19 +65,19 @@ def test_triton_backend_matches_torch_on_gpu(shape, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("model", ["llama3-rope", "deepseek-mla"])
+@pytest.mark.parametrize("model", ["llama3-rope", "qwen3-qk-norm-tied", "deepseek-mla"])
 def test_float32_triton_equals_torch_on_gpu(tmp_path, monkeypatch, model):
     """In float32 the kernels multiply in full float32, as torch does, so the two backends agree
     like the CPU variant above: identical greedy tokens, eager and through CUDA graphs (6 requests
     padded to 8), on prompts past the original rope context (32). Tokens alone would not show
     TF32 dots (Triton's default for float32) on models this small: emulated on CPU, TF32 left them
     unchanged but moved the logits by 1.5e-3 in norm, where full float32 moves them by 1e-6."""
-    if model == "llama3-rope":
-        save_tiny_llama(tmp_path, "llama3-rope")
-        args = {}
-    else:
+    if model == "deepseek-mla":
         save_tiny_deepseek(tmp_path, "lite")
         args = dict(use_mla=True)
+    else:
+        save_tiny_llama(tmp_path, model)
+        args = {}
     prompts = random_prompts([5, 70, 33, 1, 48, 17], LLAMA_TINY["vocab_size"], seed=5)
     runs = {}
     for name, backend, cuda_graph in [("torch", "torch", False), ("triton", "triton", False),

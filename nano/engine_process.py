@@ -1,0 +1,252 @@
+"""The engine in a process of its own, and the handle the HTTP server holds on it.
+
+A server runs two loops, each in its own process (serve.py says why):
+- the engine loop (`run_engine`) never waits on the network: between steps it takes new requests
+  and aborts from its inbox, runs one step, and sends the step's new tokens back in one message;
+- the HTTP side's `EngineClient` forwards requests to that inbox, and a reader thread hands each
+  step's tokens to the asyncio event loop (`loop.call_soon_threadsafe`), where a `Stream` per
+  request receives them.
+What crosses between them is a handful of typed messages (below), pickled through
+multiprocessing queues. Every request gets an answer: a request the engine refuses gets a 400, a
+step that raises fails the requests it was running with a 500 and the loop goes on, and if the
+engine process dies every open stream gets a 500.
+"""
+
+import asyncio
+import multiprocessing
+import os
+import queue
+import signal
+import threading
+import traceback
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from nano.cli import one_line_errors
+from nano.sampling import SamplingParams
+
+
+class APIError(Exception):
+    """An error as the client gets it, in OpenAI's error JSON (the engine loop sends one to a
+    request it refuses, 400, and to each request of a step that failed, 500)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(status, message, param, code)  # the arguments again: how an exception is pickled
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        kind = "server_error" if self.status >= 500 else "invalid_request_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+# ---- the messages ---------------------------------------------------------------------------------
+@dataclass
+class AddRequest:  # HTTP side -> engine
+    sid: int  # the stream's id in these messages
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop_ids: set[int]
+
+
+@dataclass
+class Abort:  # HTTP side -> engine: the client went away, or a stop string matched
+    sid: int
+
+
+class Shutdown:  # HTTP side -> engine, and the engine's answer: stop
+    pass
+
+
+@dataclass
+class Ready:  # engine -> HTTP side, once: the facts the HTTP side needs
+    vocab_size: int
+    eos_token_ids: list[int]
+    context_length: int
+    state: dict
+
+
+@dataclass
+class StartFailed:  # engine -> HTTP side, instead of Ready: the engine could not be built
+    message: str
+
+
+@dataclass
+class Token:  # one generated token of one stream
+    id: int
+    finish_reason: str | None  # "stop" or "length" on the stream's last token
+
+
+@dataclass
+class StepOutput:  # engine -> HTTP side, after each round of messages and each step
+    events: list[tuple[int, Token | APIError]]  # (stream id, what happened to it)
+    state: dict  # engine_state(), for /health
+
+
+# ---- the engine's side ----------------------------------------------------------------------------
+def engine_state(engine) -> dict:
+    """What /health shows: KV slots free, or holding cached prefixes (evictable unless a running
+    request locks them); requests; the engine's counters (seconds and tokens of prefill and decode,
+    retractions and the tokens they recomputed)."""
+    cache, scheduler = engine.prefix_cache, engine.scheduler
+    return {"total_slots": engine.kv_pool.capacity, "free_slots": engine.slots.available,
+            "cached_slots": cache.size if cache else 0, "locked_slots": cache.locked_size if cache else 0,
+            "running": len(scheduler.running), "waiting": len(scheduler.waiting), "engine": dict(engine.stats)}
+
+
+def run_engine(engine, inbox, outbox):
+    """The engine loop: Ready first, then rounds of inbox messages and steps, each answered with a
+    StepOutput, until Shutdown. It sleeps in the inbox while idle."""
+    outbox.put(Ready(engine.cfg.vocab_size, engine.cfg.eos_token_ids, engine.context_length, engine_state(engine)))
+    requests = {}  # stream id -> the engine's request, while the engine holds it
+    while True:
+        messages = [] if engine.has_work() else [inbox.get()]
+        while True:  # and whatever else has arrived since the last step
+            try:
+                messages.append(inbox.get_nowait())
+            except queue.Empty:
+                break
+        events = []
+        for message in messages:
+            if isinstance(message, Shutdown):
+                outbox.put(message)
+                return
+            if isinstance(message, AddRequest):
+                try:
+                    requests[message.sid] = engine.add_request(message.prompt_ids, message.params, message.stop_ids)
+                except ValueError as e:
+                    events.append((message.sid, APIError(400, str(e))))
+            elif message.sid in requests:  # an abort of a request that is not done yet
+                engine.abort(requests.pop(message.sid))
+        if engine.has_work():
+            events += _step(engine, requests)
+        outbox.put(StepOutput(events, engine_state(engine)))
+
+
+def _step(engine, requests: dict) -> list:
+    by_rid = {req.rid: sid for sid, req in requests.items()}
+    try:
+        out = engine.step()
+    except Exception as e:  # a bug or a device error: fail what the step ran, keep serving
+        traceback.print_exc()
+        # every admitted request may have been in the failed pass (running ones, a prompt part-way,
+        # prompts being prefilled); waiting ones were not touched and stay queued
+        failed = [sid for sid, req in requests.items() if req.row >= 0]
+        error = APIError(500, f"the engine failed on this request ({type(e).__name__}); see the server log")
+        for sid in failed:
+            engine.abort(requests.pop(sid))
+        return [(sid, error) for sid in failed]
+    events = []
+    for req, token in out:
+        sid = by_rid[req.rid]
+        if req.finished:
+            del requests[sid]
+        reason = None if not req.finished else "stop" if token in req.stop_ids else "length"
+        events.append((sid, Token(token, reason)))
+    return events
+
+
+def _engine_process(build_engine, inbox, outbox):
+    """The engine process: build the engine (a failure goes back as one line), then run its loop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every process; the server decides
+    parent = multiprocessing.parent_process()
+    threading.Thread(target=lambda: (parent.join(), os._exit(1)), daemon=True).start()  # never outlive it
+    tqdm.set_lock(threading.RLock())  # the loading bar's; tqdm's own is a multiprocessing lock, left behind at exit
+    try:
+        engine = build_engine()
+    except one_line_errors() as e:
+        outbox.put(StartFailed(str(e)))
+        return
+    run_engine(engine, inbox, outbox)
+    engine.close()
+
+
+# ---- the HTTP side's handle on it -------------------------------------------------------------------
+@dataclass
+class Stream:
+    """One request as the HTTP side follows it: `events` receives one Token per token, the last
+    with its finish_reason, or one APIError (refused, or a step failed on it)."""
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop_ids: set[int]
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    sid: int = -1  # its id in the engine loop's messages
+
+
+class EngineClient:
+    def __init__(self, inbox, outbox, worker):
+        """inbox, outbox: run_engine's; worker: the process (or, in tests, thread) that runs it.
+        Waits for the engine's Ready; raises ValueError with its one-line error if it failed."""
+        self.inbox, self.outbox, self.worker = inbox, outbox, worker
+        while True:
+            try:
+                ready = outbox.get(timeout=1)
+                break
+            except queue.Empty:
+                if not worker.is_alive():
+                    raise ValueError("the engine process died while starting (its error is above)") from None
+        if isinstance(ready, StartFailed):
+            raise ValueError(ready.message)
+        self.vocab_size, self.eos_token_ids = ready.vocab_size, ready.eos_token_ids
+        self.context_length, self.state = ready.context_length, ready.state
+        self.streams: dict[int, Stream] = {}  # by stream id, until their last event (event loop only)
+        self.next_sid = 0
+
+    def start(self, loop: asyncio.AbstractEventLoop):
+        """Deliver the engine's events on `loop` from now on."""
+        self.loop = loop
+        self.reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
+        self.reader.start()
+
+    def submit(self, stream: Stream):
+        if not self.worker.is_alive():
+            raise APIError(503, "the engine has stopped; see the server log")
+        stream.sid, self.next_sid = self.next_sid, self.next_sid + 1
+        self.streams[stream.sid] = stream
+        self.inbox.put(AddRequest(stream.sid, stream.prompt_ids, stream.params, stream.stop_ids))
+
+    def abort(self, stream: Stream):
+        self.streams.pop(stream.sid, None)  # its events stop here (the engine sends none for an abort)
+        self.inbox.put(Abort(stream.sid))  # a no-op for a request that is done already
+
+    def stop(self):
+        self.inbox.put(Shutdown())
+        self.reader.join()
+        self.worker.join()
+
+    def _read(self):
+        while True:
+            try:
+                message = self.outbox.get(timeout=1)
+            except queue.Empty:
+                if self.worker.is_alive():
+                    continue
+                # it crashed (a stop sends Shutdown first): fail what is left; submit() refuses from now on
+                error = APIError(500, "the engine process exited; see the server log")
+                self.loop.call_soon_threadsafe(self._deliver, [(sid, error) for sid in list(self.streams)])
+                return
+            if isinstance(message, Shutdown):
+                return
+            self.state = message.state
+            self.loop.call_soon_threadsafe(self._deliver, message.events)
+
+    def _deliver(self, events: list):
+        for sid, event in events:
+            last = isinstance(event, APIError) or event.finish_reason is not None
+            stream = self.streams.pop(sid, None) if last else self.streams.get(sid)
+            if stream is not None:
+                stream.events.put_nowait(event)
+
+
+def start_engine_process(build_engine) -> EngineClient:
+    """Run `build_engine()` (picklable: a partial of a module-level function) and its loop in a
+    fresh process -> the client."""
+    spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: CUDA cannot cross a fork
+    inbox, outbox = spawn.Queue(), spawn.Queue()
+    process = spawn.Process(target=_engine_process, args=(build_engine, inbox, outbox), name="nano-engine")
+    process.start()
+    try:
+        return EngineClient(inbox, outbox, process)
+    except BaseException:  # its one-line error, or Ctrl-C while it loads: it will not be needed
+        process.terminate()
+        raise

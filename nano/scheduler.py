@@ -1,0 +1,258 @@
+"""The scheduler: which requests the next step runs, and which KV slots each of them holds.
+
+Every step the engine asks it one question: prefill (admit waiting requests, or the next chunk of
+a long prompt) or decode (one token for every running request)? A request moves through explicit
+states: WAITING in the queue -> PREFILLING while a chunked prompt is part-way -> RUNNING, one token
+per decode step -> FINISHED (EOS, a stop id, its budget, or an abort). A RETRACTED request was
+running and gave its room back; it waits at the front of the queue with its tokens kept.
+
+Admission is a bet. A request's output length is unknown until it stops, and most stop long
+before their budget (a chat request without `max_tokens` may run to the whole context). Reserving
+every request's budget is safe but, for chat traffic, lets only a few requests run. So, as SGLang
+does, a request is admitted when the pool holds its prompt plus an *estimate* of what the running
+requests will still need: `new_token_ratio` x min(remaining budget, 4096) each. The clip keeps one
+huge budget from counting as a pool's worth (it changes the estimate, never when a request
+stops). The ratio starts at 0.7 and decays with every decode step toward 0.1: requests that keep
+stopping early teach the scheduler to admit more.
+
+A lost bet is paid by a retraction. When a decode step cannot give every running request its next
+slot, requests are taken out of the batch until it can. Which: the one with the fewest generated
+tokens, among those the one with the longest prompt (SGLang's rule): it has the least decoding to
+lose and frees the most room. A retracted request keeps its prompt, its tokens and its seeded
+generator; its K/V goes into the prefix cache, so when it is admitted again it recomputes only
+what other requests evicted in between, in one prefill over prompt + tokens (vLLM's "preemption
+by recompute", made cheaper by the cache). It goes to the front of the queue, so it cannot
+starve, and the ratio backs off (+0.3): the bet was too bold. The last running request is never
+retracted: alone it always fits, since no request's context exceeds the pool.
+
+Room is counted in slots: free ones plus cached ones that no running request locks (those are
+evicted, least recently used first, when the allocator runs short).
+
+Chunked prefill: a prompt longer than the chunk budget is cut; each further chunk is an extend
+whose cached prefix is the chunks before it. A step that leaves a prompt part-way owes the running
+requests a decode step, so their streams keep moving one chunk's time apart.
+"""
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from nano.kv_cache import ReqToTokenPool, SlotAllocator
+from nano.radix_cache import Node, RadixCache
+from nano.sampling import SamplingParams
+
+ESTIMATE_CLIP = 4096  # most remaining tokens a request is expected to need
+INITIAL_RATIO, MIN_RATIO, RATIO_DECAY, RETRACT_BACKOFF = 0.7, 0.1, 0.001, 0.3
+
+
+class Status(Enum):
+    WAITING = "waiting"  # queued, holding nothing
+    PREFILLING = "prefilling"  # admitted; its prompt is part-way through chunked prefill
+    RUNNING = "running"  # decoding, one token per decode step
+    RETRACTED = "retracted"  # queued again to make room, its tokens kept
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    rid: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop_ids: set[int]
+    generator: torch.Generator | None = None  # its own, so a retraction does not change its samples
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    row: int = -1  # its row in req_to_token while admitted
+    prefix_node: Node | None = None  # where its cached prefix ends in the prefix cache (locked)
+    cached_len: int = 0  # tokens its admission found in the prefix cache
+    prefilled: int = 0  # tokens of `fill_ids` whose K/V its row holds
+    in_flight: int = 0  # decode passes launched for it whose tokens the host has not booked yet
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """What an admission computes before it samples: the prompt, and after a retraction the
+        tokens generated so far (the next token is sampled from the last one's logits)."""
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def kv_len(self) -> int:
+        """Tokens whose K/V its row holds, as the host has booked them: what was prefilled, then
+        one more per decode step (the last sampled token has none yet)."""
+        return self.num_tokens - 1 if self.status is Status.RUNNING else self.prefilled
+
+    @property
+    def remaining(self) -> int:
+        """Tokens it may still generate."""
+        return self.params.max_new_tokens - len(self.output_ids)
+
+
+class Scheduler:
+    def __init__(self, req_to_token_pool: ReqToTokenPool, slots: SlotAllocator, prefix_cache: RadixCache | None,
+                 max_prefill_tokens: int, chunked_prefill_size: int, stats: dict):
+        self.req_to_token_pool, self.slots, self.prefix_cache = req_to_token_pool, slots, prefix_cache
+        chunking = chunked_prefill_size > 0
+        self.chunking = chunking
+        self.prefill_budget = min(max_prefill_tokens, chunked_prefill_size) if chunking else max_prefill_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.chunked: Request | None = None  # the request whose prompt is part-way through prefill
+        self.decode_owed = False  # the last step left a prompt part-way: decode the running ones next
+        self.new_token_ratio = INITIAL_RATIO
+        self.stats = stats
+
+    @property
+    def free_room(self) -> int:
+        """Slots the allocator can hand out now: free ones and cached ones no request locks."""
+        return self.slots.available + (self.prefix_cache.evictable_size if self.prefix_cache else 0)
+
+    def expected_need(self, req: Request) -> int:
+        """Slots req is expected to take from now on: what it has still to fill, and its share of
+        the tokens it may generate."""
+        unfilled = 0 if req.status is Status.RUNNING else len(req.fill_ids) - req.prefilled
+        return unfilled + math.ceil(self.new_token_ratio * min(req.remaining, ESTIMATE_CLIP))
+
+    def wants_prefill(self) -> bool:
+        return bool(self.waiting or self.chunked) and not (self.decode_owed and self.running)
+
+    # ---- prefill: admission on an estimate --------------------------------------------------
+    def schedule_prefill(self) -> list[tuple[Request, int]]:
+        """(request, tokens to compute) for the next extend pass: the part-way prompt's next chunk
+        first, then waiting requests while the estimate says they fit. With chunking a pass computes
+        at most the chunk budget, and the last request admitted is cut to fit; without, a prompt
+        longer than the budget still runs alone. [] means: decode instead."""
+        if not self.wants_prefill():
+            self.decode_owed = False
+            return []
+        budget, chunks = self.prefill_budget, []
+        if self.chunked:  # the running requests' own growth may have taken its room: then it waits
+            n = min(len(self.chunked.fill_ids) - self.chunked.prefilled, budget, self.free_room)
+            chunks = [(self.chunked, n)] if n > 0 else []
+            budget -= n
+        committed = sum(self.expected_need(r) for r in self.running + [r for r, _ in chunks])
+        while self.waiting and budget > 0:
+            req = self.waiting[0]
+            if not self._admit(req):
+                break
+            extend = len(req.fill_ids) - req.cached_len
+            if self.chunking:
+                extend = min(extend, budget)
+            need = self.expected_need(req)
+            if committed + need > self.free_room or (chunks and extend > budget):
+                self._release(req)  # undo: it waits for room
+                req.status = Status.RETRACTED if req.output_ids else Status.WAITING
+                break
+            self.waiting.popleft()
+            counter = "recomputed_tokens" if req.output_ids else "prefill_tokens"
+            self.stats[counter] += len(req.fill_ids) - (req.cached_len if req.output_ids else 0)
+            self.stats["cached_tokens"] += 0 if req.output_ids else req.cached_len
+            chunks.append((req, extend))
+            committed += need
+            budget -= extend
+        self.decode_owed = False
+        return chunks
+
+    def _admit(self, req: Request) -> bool:
+        """Give req a row that starts with the slots of the longest cached prefix of what it fills,
+        locked while it runs. The last token is always computed: the pass must produce its logits."""
+        row = self.req_to_token_pool.alloc()
+        if row is None:
+            return False
+        req.row, req.cached_len, req.status = row, 0, Status.PREFILLING
+        if self.prefix_cache is not None:
+            slots, req.prefix_node = self.prefix_cache.match(req.fill_ids[:-1])
+            self.prefix_cache.lock(req.prefix_node)
+            self.req_to_token_pool.req_to_token[row, : len(slots)] = slots
+            req.cached_len = len(slots)
+        req.prefilled = req.cached_len
+        return True
+
+    def prefilled(self, chunks: list[tuple[Request, int]]) -> list[Request]:
+        """Book an extend pass: -> the requests whose prompt is now complete (they sample a token
+        and run); a prompt still part-way stays chunked and owes the running requests a decode."""
+        for req, n in chunks:
+            req.prefilled += n
+        done = [r for r, _ in chunks if r.prefilled == len(r.fill_ids)]
+        self.chunked = next((r for r, _ in chunks if r.prefilled < len(r.fill_ids)), None)
+        self.decode_owed = self.chunked is not None
+        for req in done:
+            req.status = Status.RUNNING
+        self.running.extend(done)
+        return done
+
+    # ---- decode: retraction when the bet was lost -------------------------------------------
+    def schedule_decode(self) -> list[Request]:
+        """The running requests that get a decode pass: each needs one new slot. While the pool
+        cannot give them all one, retract (only with no pass in flight: the engine books it first)."""
+        self.new_token_ratio = max(MIN_RATIO, self.new_token_ratio - RATIO_DECAY)
+        # one whose budget a pass in flight uses up sits this one out
+        reqs = [r for r in self.running if len(r.output_ids) + r.in_flight < r.params.max_new_tokens]
+        while self.free_room < len(reqs):
+            if len(reqs) > 1:
+                victim = min(reqs, key=lambda r: (len(r.output_ids), -len(r.prompt_ids)))
+            else:  # alone it fits, unless a prompt part-way through prefill holds the rest
+                victim = self.chunked
+            self.retract(victim)
+            reqs = [r for r in reqs if r is not victim]
+        return reqs
+
+    def retract(self, req: Request):
+        """Take an admitted request out to free its room; its tokens stay, its K/V goes to the cache."""
+        assert req.in_flight == 0, "book the pass in flight before retracting"
+        if req is self.chunked:
+            self.chunked, self.decode_owed = None, False
+        else:
+            self.running.remove(req)
+        self._release(req)
+        req.status, req.prefilled = Status.RETRACTED, 0
+        self.waiting.appendleft(req)
+        self.new_token_ratio = min(1.0, self.new_token_ratio + RETRACT_BACKOFF)
+        self.stats["retractions"] += 1
+
+    # ---- leaving ------------------------------------------------------------------------------
+    def finish(self, req: Request):
+        """A request leaves, whatever its state (EOS, a stop id, its budget, or an abort; also one
+        caught in a step that raised), and gives back all it holds."""
+        if req.finished:
+            return
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        if self.chunked is req:
+            self.chunked, self.decode_owed = None, False
+        if req.row >= 0:
+            self._release(req)
+        req.status = Status.FINISHED
+
+    def _release(self, req: Request):
+        """Give back what an admitted request holds: its K/V into the prefix cache (or its slots to
+        the allocator), its lock on the cached prefix, its row, and the slots of passes in flight."""
+        req_to_token = self.req_to_token_pool.req_to_token
+        kv_slots = req_to_token[req.row, : req.kv_len].clone()
+        if req.in_flight:  # passes in flight write further tokens, which nobody will read
+            self.slots.free(req_to_token[req.row, req.kv_len : req.kv_len + req.in_flight].clone())
+        if self.prefix_cache is not None:
+            self.prefix_cache.insert(req.fill_ids[: req.kv_len], kv_slots)
+            self.prefix_cache.unlock(req.prefix_node)
+        else:
+            self.slots.free(kv_slots)
+        self.req_to_token_pool.free(req.row)
+        req.row = -1
+
+    def alloc_slots(self, n: int) -> torch.Tensor:
+        """n slots; cached ones are evicted when the allocator runs short (the scheduler made sure
+        that enough are free or evictable)."""
+        if self.prefix_cache is not None and self.slots.available < n:
+            self.prefix_cache.evict(n - self.slots.available)
+        return self.slots.alloc(n)
