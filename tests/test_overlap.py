@@ -71,14 +71,14 @@ def test_random_arrivals_aborts_and_stops_keep_every_slot_accounted_for(tmp_path
     """The scheduler's moving parts at once, in random order: requests arriving while others run,
     aborts in every state (waiting, part-way through a chunked prompt, running, in flight), stop
     ids, a pool so small that the prefix cache keeps evicting, overlapped passes. After every step
-    each slot is free, cached or held by exactly one request; every request that was not aborted
+    each slot is free, cached or held by exactly one request, retractions included; every request that was not aborted
     gets the tokens the plain engine gives it, and an aborted one a prefix of them."""
     save_tiny_llama(tmp_path, "gqa")
     rng, vocab = random.Random(seed), LLAMA_TINY["vocab_size"]
     stems = random_prompts([10, 16], vocab, seed=seed)
     prompts = [rng.choice(stems)[: rng.randrange(1, 17)] + random_prompts([rng.randrange(1, 7)], vocab,
                                                                          seed=1000 * seed + i)[0] for i in range(16)]
-    params = [SamplingParams(max_new_tokens=rng.randrange(1, 10)) for _ in prompts]
+    params = [SamplingParams(max_new_tokens=rng.randrange(1, 20)) for _ in prompts]
     plain = Engine(tmp_path, EngineConfig(max_total_tokens=POOL, radix_cache=False, chunked_prefill_size=0, overlap=False, log=False))
     stop_ids = {out[rng.randrange(len(out))] for out in rng.sample(plain.generate(prompts, params), 4)}
     expected = plain.generate(prompts, params, stop_ids)
@@ -95,11 +95,15 @@ def test_random_arrivals_aborts_and_stops_keep_every_slot_accounted_for(tmp_path
             if not reqs[i].finished:
                 aborted.add(i)
             engine.abort(reqs[i])
+        # a bolder bet than the scheduler's own: running requests outgrow it and are retracted
+        # (scheduler.py) while others arrive, stop and are aborted
+        engine.scheduler.new_token_ratio = 0.05
         engine.step()
         admitted = engine.scheduler.running + ([engine.scheduler.chunked] if engine.scheduler.chunked else [])
         own = {r.rid: r.kv_len - r.cached_len + r.in_flight for r in admitted}
         assert engine.slots.available + cache.size + sum(own.values()) == pool
     assert aborted and len(aborted) < len(prompts)
+    assert engine.stats["retractions"] > 0
     for i, req in reqs.items():
         assert req.output_ids == (expected[i] if i not in aborted else expected[i][: len(req.output_ids)]), i
     assert engine.slots.available + cache.size == pool and cache.locked_size == 0 and engine.scheduler.free_room == pool

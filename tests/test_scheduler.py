@@ -1,0 +1,57 @@
+"""The scheduler under memory pressure (scheduler.py), on tiny random Llama and DeepSeek models on
+CPU: admission on an estimate lets requests that may run to the whole context share the pool,
+and when the bet is lost, retraction gives room back without changing any request's tokens."""
+
+import pytest
+
+from nano.engine import Engine, EngineConfig
+from nano.sampling import SamplingParams
+from nano.scheduler import Status
+from tests.helpers import LLAMA_TINY, random_prompts, save_tiny_deepseek, save_tiny_llama
+
+MODELS = {"llama": (save_tiny_llama, "gqa", 256), "deepseek": (save_tiny_deepseek, "lite", 128)}  # save, variant, context
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_requests_that_may_run_to_the_context_all_run_at_once(tmp_path, model):
+    """8 requests asking for the whole context, on a pool that holds 6 whole contexts: reserving
+    every budget would run at most 6 of them; the estimate runs all 8 in one decode batch."""
+    save, variant, context = MODELS[model]
+    save(tmp_path, variant)
+    pool = context * 25 // 4  # 6.25 contexts
+    engine = Engine(tmp_path, EngineConfig(max_total_tokens=pool, log=False))
+    prompts = random_prompts([8] * 8, LLAMA_TINY["vocab_size"], seed=4)
+    stop_ids = set(range(0, LLAMA_TINY["vocab_size"], 3))  # a third of the vocabulary: they stop early
+    reqs = [engine.add_request(p, SamplingParams(max_new_tokens=10**6), stop_ids) for p in prompts]
+    assert all(r.params.max_new_tokens == context - 8 for r in reqs)  # the whole context
+    engine.step()  # one prefill admits them all
+    assert [r.status for r in reqs if not r.finished] == [Status.RUNNING] * sum(not r.finished for r in reqs)
+    assert len(engine.scheduler.running) + sum(r.finished for r in reqs) == 8 and not engine.scheduler.waiting
+    while engine.has_work():
+        engine.step()
+    assert all(r.finished and r.output_ids[-1] in stop_ids and len(r.output_ids) < 50 for r in reqs)
+    assert engine.stats["retractions"] == 0
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_an_oversubscribed_pool_retracts_and_every_request_gets_its_tokens(tmp_path, model, sampling):
+    """8 requests that each run 80 tokens past a 20-token prompt need 2.5x the pool's 320 slots: the
+    scheduler must retract, and every request still gets the tokens a roomy pool gives it (a seeded
+    request's generator continues where it stopped)."""
+    save, variant, _ = MODELS[model]
+    save(tmp_path, variant)
+    prompts = random_prompts([20] * 8, LLAMA_TINY["vocab_size"], seed=6)
+
+    def params(i):
+        if sampling == "greedy":
+            return SamplingParams(max_new_tokens=80, ignore_eos=True)
+        return SamplingParams(max_new_tokens=80, ignore_eos=True, temperature=0.9, top_k=40, seed=100 + i)
+
+    roomy = Engine(tmp_path, EngineConfig(max_total_tokens=2000, log=False))
+    expected = roomy.generate(prompts, [params(i) for i in range(8)])
+    assert roomy.stats["retractions"] == 0
+    engine = Engine(tmp_path, EngineConfig(max_total_tokens=320, chunked_prefill_size=16, log=False))
+    assert engine.generate(prompts, [params(i) for i in range(8)]) == expected
+    assert engine.stats["retractions"] > 0 and engine.stats["recomputed_tokens"] > 0
+    assert engine.slots.available + engine.prefix_cache.size == 320 and engine.prefix_cache.locked_size == 0
