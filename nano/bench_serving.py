@@ -19,6 +19,14 @@ Prompts are token ids (the server needs no tokenizer) from one of three datasets
 uniform in [len * ratio, len]: above, inputs of 128-1024 tokens, outputs of 128-512), `shared-prefix` (one common prefix, then a unique suffix each: what
 a prefix cache can save), or a JSONL file with a `prompt` (text or token ids) and optional
 `output_len` per line. `ignore_eos` makes every request generate exactly its output length.
+
+Chat traffic does not say how long its answers will be: a chat client sends no `max_tokens`, the
+server gives the request the whole context, and the answer ends where the model or the user
+decides. `--unknown-output-len` sends such requests: each asks for the whole context left after
+its prompt (what the server gives a chat request without `max_tokens`; a completion's default
+would be 16), and the client closes its stream once it has read its drawn output length, as a
+user who has read enough would. The engine cannot foresee that end, so this measures how its
+scheduler bets (scheduler.py); without the flag, the same requests carry their exact length.
 """
 
 import asyncio
@@ -43,6 +51,7 @@ class Result:
     ttft: float = 0.0
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)  # seconds between consecutive chunks with tokens
+    read_tokens: int = 0
 
 
 def make_prompts(args, vocab_size: int) -> list[tuple[str | list[int], int]]:
@@ -75,8 +84,10 @@ def make_prompts(args, vocab_size: int) -> list[tuple[str | list[int], int]]:
     return (rows * (args.num_prompts // len(rows) + 1))[: args.num_prompts]  # cycle through the file
 
 
-async def send(session, url: str, model: str, prompt, output_len: int) -> Result:
-    body = dict(model=model, prompt=prompt, max_tokens=output_len, temperature=0, ignore_eos=True, stream=True,
+async def send(session, url: str, model: str, prompt, output_len: int, context: int | None = None) -> Result:
+    """One streaming request; with `context`, it asks for the whole context and hangs up after output_len tokens."""
+    max_tokens = output_len if context is None else context - len(prompt)
+    body = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True, stream=True,
                 stream_options={"include_usage": True})
     result, started = Result(), time.perf_counter()
     last = started
@@ -102,6 +113,10 @@ async def send(session, url: str, model: str, prompt, output_len: int) -> Result
                     else:
                         result.itl.append(now - last)
                     last = now
+                    result.read_tokens += len(chunk["choices"][0]["token_ids"])
+                    if context is not None and result.read_tokens >= output_len:
+                        result.prompt_tokens, result.output_tokens = len(prompt), result.read_tokens
+                        break  # the user has read enough: closing the connection aborts the request
     except aiohttp.ClientError as e:
         result.error = f"{type(e).__name__}: {e}"
         return result
@@ -118,7 +133,7 @@ async def send_all(session, args, prompts, model: str) -> tuple[list[Result], fl
 
     async def one(prompt, output_len):
         async with limit:
-            return await send(session, args.base_url, model, prompt, output_len)
+            return await send(session, args.base_url, model, prompt, output_len, args.context)
 
     started, tasks = time.perf_counter(), []
     for prompt, output_len in prompts:
@@ -192,6 +207,8 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second (inf: all at once)")
     p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--unknown-output-len", action="store_true",
+                   help="ask for the whole context and hang up after the drawn output length (chat-shaped)")
     return p
 
 
@@ -225,13 +242,29 @@ async def benchmark(args):
         except aiohttp.ClientError as e:
             raise UsageError(f"no server answers at {args.base_url} ({e})") from None
         prompts = make_prompts(args, card["vocab_size"])
+        args.context = card["max_model_len"] if args.unknown_output_len else None
         # one request first, untimed: the first prefill and decode may compile kernels
         print(f"model {card['id']}: one warm-up request, then {len(prompts)} timed ...", file=sys.stderr)
         warmup = await send(session, args.base_url, card["id"], *prompts[0])
         if not warmup.ok:
             raise UsageError(f"the warm-up request failed: {warmup.error}")
+        peak = {"running": 0}
+        poller = asyncio.create_task(poll_running(session, args.base_url, peak))
         results, duration = await send_all(session, args, prompts, card["id"])
+        poller.cancel()
+        async with session.get(args.base_url + "/health") as resp:
+            counters = (await resp.json()).get("engine", {})
     report(args, results, duration)
+    print(f"Most requests running at once: {peak['running']}; retractions: {counters.get('retractions')}, "
+          f"tokens recomputed: {counters.get('recomputed_tokens')} (the server's counts since it started)")
+
+
+async def poll_running(session, url: str, peak: dict):
+    """Poll /health while the benchmark runs: the most requests the engine ran at once."""
+    while True:
+        async with session.get(url + "/health") as resp:
+            peak["running"] = max(peak["running"], (await resp.json())["running"])
+        await asyncio.sleep(0.2)
 
 
 if __name__ == "__main__":

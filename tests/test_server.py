@@ -444,17 +444,21 @@ def test_bench_serving_counts_every_token(server, tmp_path, capsys):
     prompt_file = tmp_path / "prompts.jsonl"
     prompt_file.write_text('{"prompt": "Hello there", "output_len": 5}\n{"prompt": [7, 8, 9]}\n')
     hello_tokens = call(server, "/v1/completions", dict(prompt="Hello there", max_tokens=1))[1]["usage"]["prompt_tokens"]
-    for dataset, input_tokens, output_tokens in [("random", 6 * 32, 6 * 4), ("shared-prefix", 6 * (40 + 4), 6 * 4),
-                                                 (str(prompt_file), 3 * hello_tokens + 3 * 3, 3 * 5 + 3 * 4)]:
+    # --unknown-output-len: each asks for the whole context and hangs up after 4 tokens (chat-shaped)
+    for dataset, input_tokens, output_tokens, flags in [
+            ("random", 6 * 32, 6 * 4, []), ("shared-prefix", 6 * (40 + 4), 6 * 4, []),
+            (str(prompt_file), 3 * hello_tokens + 3 * 3, 3 * 5 + 3 * 4, []), ("random", 6 * 32, 6 * 4, ["--unknown-output-len"])]:
         bench_serving.main(["--base-url", server, "--api-key", API_KEY, "--num-prompts", "6", "--dataset", dataset,
                             "--random-input-len", "32", "--random-output-len", "4", "--shared-prefix-len", "40",
-                            "--suffix-len", "4", "--request-rate", "50", "--max-concurrency", "4"])
+                            "--suffix-len", "4", "--request-rate", "50", "--max-concurrency", "4", *flags])
         captured = capsys.readouterr()
         rows = dict(line.split(":", 1) for line in captured.out.splitlines() if ":" in line)
         assert int(rows["Successful requests"]) == 6 and int(rows["Failed requests"]) == 0
         assert int(rows["Total input tokens"]) == input_tokens
         assert int(rows["Total generated tokens"]) == output_tokens
         assert float(rows["Median ITL (ms)"]) > 0 and "warning" not in captured.err
+        assert int(rows["Most requests running at once"].split(";")[0]) <= 4  # sampled every 0.2 s
+    wait_until_idle(server)  # the hung-up requests were aborted, not left running to the context
 
 
 @pytest.mark.parametrize("dataset, fragment", [("missing.jsonl", "not a JSONL file"), ("no-prompt.jsonl", "not a JSONL file"),
