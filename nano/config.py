@@ -2,7 +2,10 @@
 
 An inference engine needs a handful of numbers before it can allocate anything: how many layers,
 heads and KV heads, how wide each head is, how positions are rotated (rope and its scaling), and
-for DeepSeek-V2 the latent-attention and mixture-of-experts shapes. Hugging Face writes these in
+for DeepSeek-V2 the latent-attention and mixture-of-experts shapes. Mistral is Llama's layout;
+Qwen2 adds a bias to q/k/v, Qwen3 an RMSNorm over each head's query and key: two flags on the
+Llama model. Mistral's and Qwen's sliding-window attention is not implemented: a config that
+turns it on for a window shorter than its context is refused. Hugging Face writes these in
 two dialects: transformers 4.x puts `rope_theta` at the top level and the scaling in
 `rope_scaling` (keyed `type` or `rope_type`); transformers 5.x folds both into `rope_parameters`.
 We read either into the same dataclass, so nothing downstream ever looks at raw JSON.
@@ -12,7 +15,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "DeepseekV2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "DeepseekV2ForCausalLM")
 
 
 class ConfigError(ValueError):
@@ -38,6 +42,8 @@ class ModelConfig:
     rope_scaling: dict | None
     bos_token_id: int | None
     eos_token_ids: list[int] = field(default_factory=list)
+    qkv_bias: bool = False  # Qwen2: a bias on the q, k and v projections
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's query and key, before rope
     # DeepSeek-V2: multi-head latent attention (MLA) ...
     q_lora_rank: int | None = None
     kv_lora_rank: int = 0
@@ -114,7 +120,9 @@ def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
             rope_scaling=rope_scaling,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            qkv_bias=arch == "Qwen2ForCausalLM", qk_norm=arch == "Qwen3ForCausalLM",
         )
+        _refuse_unsupported_attention(raw, arch, cfg, source)
         if arch == "DeepseekV2ForCausalLM":
             _parse_deepseek(raw, cfg, need)
     except ConfigError:
@@ -122,6 +130,23 @@ def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
     except (TypeError, ValueError, KeyError) as e:
         raise ConfigError(f"{source}: bad or missing value ({e})") from None
     return cfg
+
+
+def _refuse_unsupported_attention(raw: dict, arch: str, cfg: ModelConfig, source: str) -> None:
+    """transformers' rules: Mistral slides over `sliding_window` when one is set; Qwen only with
+    use_sliding_window, on the layers from max_window_layers on (`layer_types` names them in 5.x)."""
+    window = raw.get("sliding_window")
+    if arch == "MistralForCausalLM":
+        slides = window is not None
+    elif "layer_types" in raw:
+        slides = "sliding_attention" in raw["layer_types"]
+    else:
+        slides = raw.get("use_sliding_window", False) and raw.get("max_window_layers", 28) < cfg.num_layers
+    if slides and window < cfg.max_position_embeddings:
+        raise ConfigError(f"{source}: sliding_window {window} is shorter than the context "
+                          f"({cfg.max_position_embeddings}): nano has no sliding-window attention")
+    if raw.get("attention_bias") or raw.get("mlp_bias"):
+        raise ConfigError(f"{source}: attention_bias and mlp_bias are not supported (nano has q/k/v biases, as Qwen2)")
 
 
 def _parse_rope(raw: dict) -> tuple[float, dict | None]:

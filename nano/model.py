@@ -6,6 +6,9 @@ An inference engine runs it over a *packed* batch: the new tokens of several req
 list `[T, hidden]`, each with its own position; attention is the only place where requests are
 kept apart, and it is delegated to an attention backend (torch_attn.py, triton_attn.py) that reads
 and writes the KV cache. Everything else is per token and does not care which request a token is.
+The same model runs Mistral (Llama's layout), Qwen2 (a bias on q, k and v: the loader stacks the
+biases like the weights) and Qwen3 (an RMSNorm over each head's query and key, before rope, and a
+head width set apart from hidden / heads): options of the config, not classes of their own.
 
 Three things make the code below differ from a training implementation:
 - fused projections: q/k/v are one matmul (`qkv_proj`) and gate/up are one (`gate_up_proj`), so a
@@ -36,17 +39,18 @@ from nano.rope import RotaryEmbedding
 class Linear(nn.Module):
     """y = x W^T. Several checkpoint matrices that multiply the same input may be stacked into one
     weight: `stacked` names them (their module names in the checkpoint), `output_sizes` gives their
-    rows. The weight is left uninitialised: the loader fills it."""
+    rows, and a bias is stacked the same way. Both are left uninitialised: the loader fills them."""
 
     def __init__(self, in_features: int, output_sizes: int | list[int], dtype: torch.dtype | None = None,
-                 stacked: tuple[str, ...] | None = None):
+                 stacked: tuple[str, ...] | None = None, bias: bool = False):
         super().__init__()
         self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else output_sizes
         self.stacked = stacked
         self.weight = nn.Parameter(torch.empty(sum(self.output_sizes), in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(sum(self.output_sizes), dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x):
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -82,8 +86,12 @@ class LlamaAttention(nn.Module):
         self.layer_id, self.rotary = layer_id, rotary
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size], stacked=("q_proj", "k_proj", "v_proj"))
+        self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size], stacked=("q_proj", "k_proj", "v_proj"),
+                               bias=cfg.qkv_bias)
         self.o_proj = Linear(q_size, cfg.hidden_size)
+        # Qwen3: an RMSNorm over each head's query and key (weight [head_dim]), before rope
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
 
     def forward(self, x, batch: ForwardBatch, attn):
@@ -92,6 +100,9 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # on [T*H, D] rows, the norm kernel's shape (reshape copies the strided views)
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
         self.rotary(batch.positions, q, k)  # in place
         out = attn.forward(q, k, v, self.layer_id, batch, self.scale)  # [T, H, D]
         return self.o_proj(out.view(num_tokens, -1))
@@ -124,15 +135,15 @@ class CausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
 
     def forward(self, batch: ForwardBatch, attn) -> torch.Tensor:
-        """-> logits [B, vocab] (float32) of each request's last token. A CUDA graph records all of
-        it, the backend's per-pass metadata included (cuda_graph_runner.py)."""
+        """-> logits [B, vocab] (float32) of each request's last token (or [R, vocab]: batch.logit_rows).
+        A CUDA graph records all of it, the backend's per-pass metadata included (cuda_graph_runner.py)."""
         attn.init_forward_metadata(batch)
         x, residual = self.embed(batch.input_ids), None  # [T, hidden]
         for layer in self.layers:
             x, residual = layer(x, residual, batch, attn)
-        if not batch.is_decode:  # keep only each request's last token
-            last = batch.extend_start_loc + batch.extend_lens - 1
-            x, residual = x[last], residual[last]  # [B, hidden]
+        if not batch.is_decode:  # keep only each request's last token, or the rows the batch names
+            rows = batch.extend_start_loc + batch.extend_lens - 1 if batch.logit_rows is None else batch.logit_rows
+            x, residual = x[rows], residual[rows]  # [B or R, hidden]
         x, _ = self.norm.add_and_norm(x, residual)
         return self.logits(x).float()
 
@@ -166,7 +177,9 @@ def _stacked_layout(prefix: str, linear: Linear) -> dict:
     names = linear.stacked or (own,)
     layout, row = {}, 0
     for name, size in zip(names, linear.output_sizes, strict=True):
-        layout[f"{parent}.{name}.weight"] = (linear.weight, (slice(row, row + size),))
+        for kind, param in (("weight", linear.weight), ("bias", linear.bias)):
+            if param is not None:
+                layout[f"{parent}.{name}.{kind}"] = (param, (slice(row, row + size),))
         row += size
     return layout
 

@@ -30,6 +30,11 @@ LLAMA_VARIANTS = {
         original_max_position_embeddings=32)),
     "linear-rope": dict(num_attention_heads=4, num_key_value_heads=2, rope_parameters=dict(
         rope_type="linear", rope_theta=10000.0, factor=2.0)),
+    # The families built on Llama's layout, each from its own transformers classes (`family`).
+    "qwen2-bias": dict(family="Qwen2", num_attention_heads=4, num_key_value_heads=2),
+    "qwen3-qk-norm-tied": dict(family="Qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                               tie_word_embeddings=True),
+    "mistral": dict(family="Mistral", num_attention_heads=4, num_key_value_heads=1, head_dim=32),
 }
 
 
@@ -37,8 +42,14 @@ def save_tiny_llama(path, variant: str, config_form: str = "v5", seed: int = 0):
     import transformers
 
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(**LLAMA_TINY, **LLAMA_VARIANTS[variant])
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    args = dict(LLAMA_VARIANTS[variant])
+    family = args.pop("family", "Llama")
+    cfg = getattr(transformers, f"{family}Config")(**LLAMA_TINY, **args)
+    model = getattr(transformers, f"{family}ForCausalLM")(cfg).eval()
+    with torch.no_grad():  # HF starts biases at 0 and norms at 1, where a misplaced one would not show
+        for name, param in model.named_parameters():
+            if name.endswith(("bias", "norm.weight")):
+                param.normal_(1.0 if name.endswith("weight") else 0.0, 0.2)
     model.save_pretrained(path)
     if config_form == "v4":  # rewrite the config the way transformers 4.x wrote it
         raw = json.loads((path / "config.json").read_text())

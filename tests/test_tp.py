@@ -106,9 +106,13 @@ def run(path, tp_size, prompts, monkeypatch, **engine_args):
     return outputs, steps
 
 
-TINY_MODELS = {  # the splits that differ: one KV head on two ranks, tied embeddings, MLA and MoE, MLA expanded
+# The splits that differ: one KV head on two ranks, tied embeddings, q/k/v biases (cut like their
+# rows), per-head q/k norms (whole on every rank), MLA and MoE, MLA expanded.
+TINY_MODELS = {
     "llama-1kv": (save_tiny_llama, "llama3-rope", {}),
     "llama-tied": (save_tiny_llama, "gqa4-tied", {}),
+    "qwen2-bias": (save_tiny_llama, "qwen2-bias", {}),
+    "qwen3-qk-norm": (save_tiny_llama, "qwen3-qk-norm-tied", {}),
     "deepseek-mla": (save_tiny_deepseek, "q-lora-scaled", {}),
     "deepseek-expanded": (save_tiny_deepseek, "lite", dict(use_mla=False)),
 }

@@ -1,0 +1,58 @@
+"""config.json fields of the Llama-layout families, in transformers 5.x's dialect (what its config
+classes write) and 4.x's (the hub's: no `layer_types`). nano has no sliding-window attention, so a
+config where one acts, over a window shorter than the context, is one ConfigError line."""
+
+from pathlib import Path
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from nano.config import ConfigError, load_config, parse_config  # noqa: E402
+from tests.helpers import LLAMA_TINY  # noqa: E402
+
+SHIPPED_CONFIGS = Path(__file__).resolve().parent.parent / "nano" / "configs"
+
+
+def raw_config(family: str, dialect: str, **fields) -> dict:
+    raw = getattr(transformers, f"{family}Config")(**LLAMA_TINY, **fields).to_dict()
+    if dialect == "v4":  # as written: transformers 5.x also nulls a Qwen window that is switched off
+        raw = {k: v for k, v in raw.items() if k != "layer_types"} | fields
+    return raw | {"architectures": [f"{family}ForCausalLM"]}
+
+
+@pytest.mark.parametrize("dialect", ["v5", "v4"])
+@pytest.mark.parametrize("family, fields, slides", [
+    ("Mistral", dict(sliding_window=64), True),
+    ("Mistral", dict(sliding_window=None), False),
+    ("Mistral", dict(sliding_window=4096), False),  # longer than the context (256): never slides
+    ("Qwen2", dict(use_sliding_window=False, sliding_window=64), False),
+    ("Qwen2", dict(use_sliding_window=True, sliding_window=64, max_window_layers=1), True),
+    ("Qwen2", dict(use_sliding_window=True, sliding_window=64, max_window_layers=3), False),  # on no layer
+    ("Qwen3", dict(use_sliding_window=True, sliding_window=64, max_window_layers=0), True),
+])
+def test_sliding_window_is_refused_where_it_acts(family, fields, slides, dialect):
+    raw = raw_config(family, dialect, num_attention_heads=4, **fields)
+    if not slides:
+        parse_config(raw)
+        return
+    with pytest.raises(ConfigError) as error:
+        parse_config(raw)
+    message = str(error.value)
+    assert "sliding_window 64 is shorter than the context (256)" in message and "\n" not in message
+
+
+def test_family_fields():
+    mistral = raw_config("Mistral", "v4", num_attention_heads=4, sliding_window=None) | {"head_dim": None}
+    assert parse_config(mistral).head_dim == 16  # null: hidden / heads
+    qwen2 = parse_config(raw_config("Qwen2", "v5", num_attention_heads=4))
+    qwen3 = parse_config(raw_config("Qwen3", "v5", num_attention_heads=4, head_dim=32))
+    assert (qwen2.qkv_bias, qwen2.qk_norm, qwen3.qkv_bias, qwen3.qk_norm, qwen3.head_dim) == (True, False, False, True, 32)
+    with pytest.raises(ConfigError, match="attention_bias"):
+        parse_config(raw_config("Qwen3", "v5", num_attention_heads=4, attention_bias=True))
+
+
+@pytest.mark.parametrize("shape", ["qwen3-8b", "qwen2.5-7b"])
+def test_shipped_qwen_shapes_load(shape):
+    cfg = load_config(SHIPPED_CONFIGS / shape)
+    assert cfg.head_dim == 128 and cfg.eos_token_ids == [151645]
