@@ -47,7 +47,7 @@ from nano.kv_cache import KVPool, ReqToTokenPool, SlotAllocator, kv_bytes_per_to
 from nano.loader import build_model, load_model, model_bytes
 from nano.memory import ensure_fits
 from nano.radix_cache import RadixCache
-from nano.sampling import SamplingParams, sample
+from nano.sampling import Logprobs, SamplingParams, logprob_entries, sample, token_logprobs
 from nano.scheduler import Request, Scheduler, Status
 from nano.torch_attn import TorchAttnBackend
 from nano.tp import TensorParallel, launch, parallelize, rank_device, shard_config
@@ -96,6 +96,8 @@ class DecodePass:
     tokens: torch.Tensor  # [B] int64 on the device: the next pass's input ids
     host_tokens: torch.Tensor  # [B] int64 on the host, once `copied` has happened
     copied: torch.cuda.Event | None  # None on CPU, where the copy is done at once
+    asked: list[int]  # the rows whose requests ask for logprobs
+    logprobs: tuple[torch.Tensor, ...]  # token_logprobs of those rows, copied with the tokens
 
 
 class Engine:
@@ -133,6 +135,7 @@ class Engine:
                                    config.chunked_prefill_size, self.stats)
         self.in_flight: DecodePass | None = None  # the last decode pass, not yet booked
         self.next_rid = 0
+        self.logprobs: dict[int, Logprobs] = {}  # by request id, for requests that ask, until the caller takes them
 
     def _load_model(self, model_dir, shard_cfg):
         """Check that the weights, the request table and a KV cache of the size asked for (or, failing
@@ -227,13 +230,45 @@ class Engine:
             [t for r, n in chunks for t in r.fill_ids[r.prefilled : r.prefilled + n]],
             [r.prefilled for r in reqs], lens, [r.row for r in reqs], slots, self.device,
         )
+        logit_rows, ends = self._logit_rows(chunks)
+        if len(logit_rows) > len(chunks):
+            batch.logit_rows = to_device(logit_rows, torch.int64, self.device)
         logits = self.forward(batch)
+        self._prompt_logprobs(chunks, logits, ends)
         done = self.scheduler.prefilled(chunks)
         if not done:
             return []
-        rows = [i for i, r in enumerate(reqs) if r in done]
-        tokens = sample(logits[rows], [r.params for r in done], [r.generator for r in done]).tolist()
-        return self._append_tokens(done, tokens)
+        logits = logits[[ends[i] - 1 for i, r in enumerate(reqs) if r in done]]  # each request's last token
+        tokens = sample(logits, [r.params for r in done], [r.generator for r in done])
+        asked, logprobs = self._token_logprobs(done, logits, tokens)
+        return self._append_tokens(done, tokens.tolist(), self._entries(done, asked, logprobs))
+
+    @staticmethod
+    def _logit_rows(chunks: list[tuple[Request, int]]) -> tuple[list[int], list[int]]:
+        """The rows of an extend pass whose logits the engine reads: each request's last, and every row of
+        a request that asks for its prompt's logprobs (on its first admission: a recompute after a
+        retraction has them already) -> (the rows, where each request's rows end in the logits)."""
+        rows, ends, start = [], [], 0
+        for req, n in chunks:
+            wants_all = req.params.prompt_logprobs and not req.output_ids
+            rows += range(start, start + n) if wants_all else [start + n - 1]
+            ends.append(len(rows))
+            start += n
+        return rows, ends
+
+    def _prompt_logprobs(self, chunks: list[tuple[Request, int]], logits: torch.Tensor, ends: list[int]):
+        """Each prompt token's logprob, from the logits of the position before it, for the requests whose
+        rows the pass kept (chunk by chunk; the last row predicts the sampled token, booked with it)."""
+        for (req, n), end in zip(chunks, ends):
+            if not (req.params.prompt_logprobs and not req.output_ids):
+                continue
+            first = req.prefilled  # rows first..first+n-1 predict tokens first+1..first+n
+            count = min(n, len(req.prompt_ids) - 1 - first)
+            targets = to_device(req.prompt_ids[first + 1 : first + 1 + count], torch.int64, self.device)
+            tensors = token_logprobs(logits[end - n : end - n + count], targets, req.params.logprobs)
+            computed = self.logprobs.setdefault(req.rid, Logprobs())
+            del computed.prompt[first:]  # a prompt retracted part-way computes them again
+            computed.prompt += logprob_entries(*tensors, [req.params.logprobs] * count)
 
     def _decode(self) -> list[tuple[Request, int]]:
         """Launch a decode pass over the running requests, then book the pass before it, which the
@@ -268,15 +303,34 @@ class Engine:
         return self._launch_sampling(reqs, self.forward(batch))
 
     def _launch_sampling(self, reqs: list[Request], logits: torch.Tensor) -> DecodePass:
-        """Sample on the device and start copying the tokens to the host, without waiting for them."""
+        """Sample on the device, and the logprobs of the requests that ask, and start copying them to
+        the host, without waiting for them."""
         tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        asked, logprobs = self._token_logprobs(reqs, logits, tokens)
         if not tokens.is_cuda:
-            return DecodePass(reqs, tokens, tokens, None)
-        host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host_tokens.copy_(tokens, non_blocking=True)
+            return DecodePass(reqs, tokens, tokens, None, asked, logprobs)
+        on_device = (tokens, *logprobs)
+        host_tokens, *host_logprobs = (torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in on_device)
+        for host, device in zip((host_tokens, *host_logprobs), on_device):
+            host.copy_(device, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        return DecodePass(reqs, tokens, host_tokens, copied)
+        return DecodePass(reqs, tokens, host_tokens, copied, asked, tuple(host_logprobs))
+
+    @staticmethod
+    def _token_logprobs(reqs: list[Request], logits: torch.Tensor, tokens: torch.Tensor) -> tuple[list[int], tuple]:
+        """-> (the rows whose requests ask for logprobs, token_logprobs of those rows on the device);
+        a batch where none asks computes nothing."""
+        asked = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        if not asked:
+            return [], ()
+        rows = to_device(asked, torch.int64, logits.device)
+        return asked, token_logprobs(logits[rows], tokens[rows], max(reqs[i].params.logprobs for i in asked))
+
+    @staticmethod
+    def _entries(reqs: list[Request], asked: list[int], logprobs: tuple) -> dict[int, tuple]:
+        """token_logprobs of the rows that asked, on the host -> row: (logprob, its k likeliest)."""
+        return dict(zip(asked, logprob_entries(*logprobs, [reqs[i].params.logprobs for i in asked]))) if asked else {}
 
     def _book(self, done: DecodePass) -> list[tuple[Request, int]]:
         """Book a decode pass's tokens: each request gets its token, and those that are done leave."""
@@ -286,7 +340,8 @@ class Engine:
             done.copied.synchronize()
         for req in done.reqs:
             req.in_flight -= 1
-        events = self._append_tokens(done.reqs, done.host_tokens.tolist())
+        logprobs = self._entries(done.reqs, done.asked, done.logprobs)
+        events = self._append_tokens(done.reqs, done.host_tokens.tolist(), logprobs)
         self.stats["decode_tokens"] += len(events)
         return events
 
@@ -299,13 +354,16 @@ class Engine:
             return self.graph_runner.replay(batch)
         return self.model(batch, self.attn)
 
-    def _append_tokens(self, reqs: list[Request], tokens: list[int]) -> list[tuple[Request, int]]:
+    def _append_tokens(self, reqs: list[Request], tokens: list[int], logprobs: dict) -> list[tuple[Request, int]]:
+        """logprobs: by row, for the requests that ask (kept in self.logprobs for the caller)."""
         events = []
-        for req, token in zip(reqs, tokens):
+        for row, (req, token) in enumerate(zip(reqs, tokens)):
             if req.status is not Status.RUNNING:  # aborted, or stopped by the pass before while this one ran
                 continue
             req.output_ids.append(token)
             events.append((req, token))
+            if row in logprobs:
+                self.logprobs.setdefault(req.rid, Logprobs()).tokens.append(logprobs[row])
             if token in req.stop_ids or len(req.output_ids) >= req.params.max_new_tokens:
                 self.scheduler.finish(req)
         return events

@@ -75,6 +75,10 @@ class StartFailed:  # engine -> HTTP side, instead of Ready: the engine could no
 class Token:  # one generated token of one stream
     id: int
     finish_reason: str | None  # "stop" or "length" on the stream's last token
+    # when the request asks (SamplingParams.logprobs): the token's logprob, its k likeliest (id, logprob)
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    prompt_logprobs: list | None = None  # with the first token: the prompt's (prompt_logprobs), as sampling.Logprobs
 
 
 @dataclass
@@ -117,7 +121,7 @@ def run_engine(engine, inbox, outbox):
                 except ValueError as e:
                     events.append((message.sid, APIError(400, str(e))))
             elif message.sid in requests:  # an abort of a request that is not done yet
-                engine.abort(requests.pop(message.sid))
+                _abort(engine, requests.pop(message.sid))
         if engine.has_work():
             events += _step(engine, requests)
         outbox.put(StepOutput(events, engine_state(engine)))
@@ -134,16 +138,28 @@ def _step(engine, requests: dict) -> list:
         failed = [sid for sid, req in requests.items() if req.row >= 0]
         error = APIError(500, f"the engine failed on this request ({type(e).__name__}); see the server log")
         for sid in failed:
-            engine.abort(requests.pop(sid))
+            _abort(engine, requests.pop(sid))
         return [(sid, error) for sid in failed]
     events = []
     for req, token in out:
         sid = by_rid[req.rid]
+        reason = None if not req.finished else "stop" if token in req.stop_ids else "length"
+        event = Token(token, reason)
+        if req.params.logprobs is not None:  # the engine computed them with the token
+            computed = engine.logprobs[req.rid]
+            event.logprob, event.top_logprobs = computed.tokens.popleft()
+            event.prompt_logprobs, computed.prompt = computed.prompt, None  # once, with the first token
         if req.finished:
             del requests[sid]
-        reason = None if not req.finished else "stop" if token in req.stop_ids else "length"
-        events.append((sid, Token(token, reason)))
+            engine.logprobs.pop(req.rid, None)
+        events.append((sid, event))
     return events
+
+
+def _abort(engine, req):
+    """Drop a request the HTTP side no longer follows, and what the engine kept for it."""
+    engine.abort(req)
+    engine.logprobs.pop(req.rid, None)
 
 
 def _engine_process(build_engine, inbox, outbox):

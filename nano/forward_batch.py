@@ -57,6 +57,9 @@ class ForwardBatch:
     extend_lens: torch.Tensor | None = None  # [B] int32
     extend_start_loc: torch.Tensor | None = None  # [B] int32: first of each request's tokens in [T]
     extend_lens_cpu: list[int] | None = None
+    # the token rows whose logits the pass returns: None, each request's last (all sampling needs);
+    # prompt logprobs need every row of the requests that ask
+    logit_rows: torch.Tensor | None = None  # [R] int64
 
     @property
     def batch_size(self) -> int:

@@ -5,16 +5,22 @@ Every request carries its own settings, so one batch may mix greedy and sampled 
 - top-k keeps the k most likely tokens, top-p the smallest set whose probability reaches p,
 - a request with a seed draws from its own random generator, so its output does not depend on
   which other requests happen to share its batch.
+Log-probabilities, for a request that asks (`logprobs`: how many likeliest alternatives to list,
+at most 20), are those of the model's own distribution: log_softmax of the raw logits, before
+temperature, top-k and top-p, as OpenAI and vLLM report them. Only the rows that ask compute them.
 Sampling uses the "exponential race": argmax(p / E) with E ~ Exp(1) picks token i with
 probability p_i, and needs no cumulative sums over the vocabulary.
 """
 
 import math
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 
 from nano.forward_batch import to_device
+
+MAX_LOGPROBS = 20  # alternatives listed per token at most (OpenAI's limit)
 
 
 @dataclass
@@ -25,6 +31,8 @@ class SamplingParams:
     max_new_tokens: int = 256
     seed: int | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None  # the sampled token's logprob and its `logprobs` likeliest alternatives; None: off
+    prompt_logprobs: bool = False  # also every prompt token's (the server's `echo`), computed by its prefill
 
     @property
     def greedy(self) -> bool:
@@ -41,8 +49,20 @@ class SamplingParams:
             raise ValueError(f"top-k must be in [0, 2^63), got {self.top_k}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2^63), got {self.seed}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs and self.logprobs is None:
+            raise ValueError("prompt-logprobs needs logprobs")
         if self.max_new_tokens < 1:
             raise ValueError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class Logprobs:
+    """A request's logprobs, when its params ask, from the passes that compute them until its caller
+    takes them. Each entry: (the token's logprob, [(id, logprob)] of the k likeliest tokens)."""
+    prompt: list = field(default_factory=list)  # per prompt token after the first (prompt_logprobs)
+    tokens: deque = field(default_factory=deque)  # per generated token, in order
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
@@ -76,3 +96,17 @@ def _top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
     keep = (rank[None, :] < top_k[:, None]) & ((mass_before < top_p[:, None]) | (rank[None, :] == 0))
     sorted_probs = sorted_probs * keep
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """logits [R, vocab], tokens [R] -> each token's logprob [R], and the k likeliest tokens'
+    logprobs and ids [R, k], all on the logits' device."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    top = logprobs.topk(k, dim=-1)
+    return logprobs.gather(-1, tokens[:, None])[:, 0], top.values, top.indices
+
+
+def logprob_entries(chosen: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, ks: list[int]) -> list:
+    """token_logprobs' tensors -> per row (logprob, [(id, logprob)] of its own k likeliest)."""
+    rows = zip(chosen.tolist(), values.tolist(), ids.tolist(), ks)
+    return [(logprob, list(zip(top_ids[:k], top_values[:k]))) for logprob, top_values, top_ids, k in rows]
