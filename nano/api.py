@@ -4,8 +4,13 @@ A client sends JSON; pydantic turns it into typed objects and names the field of
 which becomes a 400 in OpenAI's error JSON. The schemas are strict: an unknown field is a feature
 this server lacks, and silently ignoring it would give a client an answer to a question it did
 not ask. Some clients send fields of features nano lacks with every request, in their "off"
-value; those are accepted when off and refused otherwise (`OFF_VALUES`). The sampling settings
-are checked once, by `SamplingParams.validate`, the same check `generate` runs.
+value; those are accepted when off (or null) and refused otherwise: one table, `OFF_VALUES`,
+read before the schemas. The sampling settings are checked once, by `SamplingParams.validate`,
+the same check `generate` runs.
+
+A completion's `prompt` may be several (strings or token-id lists), and `n` asks for n samples of
+each: choice `prompt * n + j`. With a seed s, sample j draws with seed s + j, so the samples differ
+and a repeated request gets them again. `top_k` -1 is off, as in vLLM and SGLang.
 """
 
 import json
@@ -16,12 +21,17 @@ from fastapi import Request as HTTPRequest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from nano.engine_process import APIError
-from nano.sampling import SamplingParams
+from nano.sampling import MAX_LOGPROBS, SamplingParams
 
 MAX_BODY_BYTES = 4 << 20  # a context's worth of text or token ids is far less
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions; chat runs to the context
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # "\ud800": JSON's only way to a lone surrogate
-OFF_VALUES = {"frequency_penalty": (0,), "presence_penalty": (0,), "logprobs": (None, False)}  # accepted only so
+MAX_CHOICES = 128  # n at most, as OpenAI's API
+# fields of features nano lacks that clients send anyway, and the values (besides null) that ask for nothing
+OFF_VALUES = {"frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,),
+              "min_tokens": (0,), "best_of": (1,), "suffix": ("",), "logit_bias": ({},), "tools": ([],),
+              "tool_choice": ("none", "auto"), "parallel_tool_calls": (True, False), "store": (False,),
+              "metadata": ({},), "response_format": ({"type": "text"},), "service_tier": ("auto", "default")}
 
 StopString = Annotated[str, Field(min_length=1)]
 
@@ -39,21 +49,24 @@ class GenerationRequest(StrictModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = 1.0  # OpenAI's default; 0 is greedy
     top_p: float = 1.0
-    top_k: int = 0  # 0: off
+    top_k: int = Field(0, ge=-1)  # 0 or -1: off
     seed: int | None = None
     stop: StopString | list[StopString] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     ignore_eos: bool = False
-    user: str | None = None
-    frequency_penalty: float = 0
-    presence_penalty: float = 0
-    logprobs: bool | None = None
+    user: str | None = None  # an end user's id: nothing to do with it
 
-    def sampling_params(self, max_new_tokens: int) -> SamplingParams:
-        params = SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-                                max_new_tokens=max_new_tokens, ignore_eos=self.ignore_eos)
+    def logprob_params(self) -> dict:
+        """SamplingParams' logprob settings, as this endpoint asks for them."""
+        raise NotImplementedError
+
+    def sampling_params(self, max_new_tokens: int, sample: int = 0) -> SamplingParams:
+        """The settings of each prompt's `sample`-th choice."""
+        seed = None if self.seed is None else self.seed + sample
+        params = SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), seed=seed,
+                                max_new_tokens=max_new_tokens, ignore_eos=self.ignore_eos, **self.logprob_params())
         try:
             params.validate()
         except ValueError as e:  # its message names the setting first: "top-p must be ..."
@@ -62,17 +75,54 @@ class GenerationRequest(StrictModel):
 
 
 class CompletionRequest(GenerationRequest):
-    prompt: str | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]  # one prompt or several, as text or token ids
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # how many likeliest alternatives per token
+    echo: bool = False  # the prompt first, in the text and (with logprobs) in the logprobs
+
+    def logprob_params(self) -> dict:
+        return {"logprobs": self.logprobs, "prompt_logprobs": self.echo and self.logprobs is not None}
 
 
 class ChatMessage(StrictModel):
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict] | None = None  # a string or text parts ({"type": "text", "text": ...}); null: ""
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def as_dict(self, template_has_developer: bool) -> dict:
+        """The message as the chat template reads it; `developer` is `system` to a template without it."""
+        parts = [self.content] if isinstance(self.content, str) else self.content or []
+        for part in parts:
+            if not isinstance(part, str) and (part.get("type") != "text" or not isinstance(part.get("text"), str)):
+                raise APIError(400, f"messages: a content part of type {part.get('type')!r}; "
+                               "this server takes text parts only", param="messages")
+        role = "system" if self.role == "developer" and not template_has_developer else self.role
+        message = {"role": role, "content": "\n".join(p if isinstance(p, str) else p["text"] for p in parts)}
+        return message | ({"name": self.name} if self.name is not None else {})
 
 
 class ChatRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def logprob_params(self) -> dict:
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
+        return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None}
+
+
+class TokenizeRequest(StrictModel):  # vLLM's /tokenize: a completion's prompt or a chat's messages
+    model: str | None = None
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # False: a text prompt's own tokens, no BOS
+
+
+class DetokenizeRequest(StrictModel):
+    model: str | None = None
+    tokens: list[int]
 
 
 async def read_json(http: HTTPRequest) -> dict:
@@ -95,19 +145,25 @@ async def read_json(http: HTTPRequest) -> dict:
     return data
 
 
-async def parse(http: HTTPRequest, schema: type[GenerationRequest], model_name: str):
+def _is_off(value, off_values: tuple) -> bool:
+    return value is None or any(value == off and isinstance(value, bool) == isinstance(off, bool) for off in off_values)
+
+
+async def parse(http: HTTPRequest, schema: type[StrictModel], model_name: str):
     """The request body as `schema`, or the APIError that says what is wrong with it."""
+    data = await read_json(http)
+    for name, off_values in OFF_VALUES.items():
+        if not _is_off(data.pop(name, None), off_values):
+            shown = " or ".join(json.dumps(v) for v in off_values)
+            raise APIError(400, f"{name}: not supported by this server (only {shown} or null)", param=name)
     try:
-        body = schema.model_validate(await read_json(http))
+        body = schema.model_validate(data)
     except ValidationError as e:  # up to three of the problems, each with where it is
         errors = e.errors()
         message = "; ".join(f"{'.'.join(map(str, err['loc']))}: " + (
             "not supported by this server" if err["type"] == "extra_forbidden" else err["msg"]) for err in errors[:3])
         raise APIError(400, message, param=str(errors[0]["loc"][0]) if errors[0]["loc"] else None) from None
-    for name, off in OFF_VALUES.items():
-        if getattr(body, name) not in off:
-            raise APIError(400, f"{name}: not supported by this server", param=name)
-    if body.stream_options and not body.stream:  # as OpenAI's API refuses it
+    if getattr(body, "stream_options", None) and not body.stream:  # as OpenAI's API refuses it
         raise APIError(400, "stream_options: only with stream: true", param="stream_options")
     if body.model not in (None, model_name):
         raise APIError(404, f"model {body.model!r} does not exist; this server serves {model_name!r}",

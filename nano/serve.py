@@ -19,9 +19,15 @@ KV slots return to the pool at once; SIGINT/SIGTERM stop accepting connections, 
 requests finish, and exit 0. The routes below find the engine's client, the tokenizer and the
 model's name on `app.state`.
 
+A request with several choices (several prompts, or `n`) submits them all at once, so one prefill
+computes them together; a stream then carries each choice's tokens as they come, one choice per
+event, named by its index. Logprobs come from the engine with each token (sampling.py says which);
+this side only spells out each token's text.
+
 Extensions to OpenAI's API, as SGLang and vLLM have them: `top_k`, `ignore_eos`, and the generated
 `token_ids` in every choice, so a server without a tokenizer (a shipped shape with dummy weights)
-takes token-id prompts and still says what it generated.
+takes token-id prompts and still says what it generated; vLLM's `/tokenize`, `/detokenize` and
+`/tokenizer_info`, through which lm-eval tokenizes as the server does.
 """
 
 import asyncio
@@ -43,10 +49,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
-from nano.api import DEFAULT_COMPLETION_TOKENS, ChatRequest, CompletionRequest, parse
+from nano.api import (DEFAULT_COMPLETION_TOKENS, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                      parse)
 from nano.cli import ArgumentParser, UsageError, add_engine_args, build_engine, cli, resolve_model_or_shape
 from nano.config import load_config
-from nano.engine_process import APIError, EngineClient, Stream, start_engine_process
+from nano.engine_process import APIError, EngineClient, Stream, Token, start_engine_process
 from nano.tokenizer import Detokenizer, Tokenizer
 
 
@@ -66,38 +73,89 @@ async def health(http: HTTPRequest):
 
 @router.get("/v1/models", dependencies=[Depends(check_api_key)])
 async def models(http: HTTPRequest):
-    state = http.app.state
-    return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0, "owned_by": "nano",
-                                        "max_model_len": state.client.context_length,
-                                        "vocab_size": state.client.vocab_size}]}
+    return {"object": "list", "data": [model_card(http.app.state)]}
+
+
+@router.get("/v1/models/{model_id:path}", dependencies=[Depends(check_api_key)])
+async def model(http: HTTPRequest, model_id: str):
+    if model_id != http.app.state.model_name:
+        raise APIError(404, f"model {model_id!r} does not exist", param="model", code="model_not_found")
+    return model_card(http.app.state)
+
+
+def model_card(state) -> dict:
+    return {"id": state.model_name, "object": "model", "created": 0, "owned_by": "nano",
+            "max_model_len": state.client.context_length, "vocab_size": state.client.vocab_size}
 
 
 @router.post("/v1/completions", dependencies=[Depends(check_api_key)])
 async def completions(http: HTTPRequest):
-    state = http.app.state
-    body = await parse(http, CompletionRequest, state.model_name)
-    if not body.prompt:
-        raise APIError(400, "prompt is empty", param="prompt")
-    if isinstance(body.prompt, list):
-        if not all(0 <= t < state.client.vocab_size for t in body.prompt):
-            raise APIError(400, f"prompt token ids must be in [0, {state.client.vocab_size})", param="prompt")
-        prompt_ids = body.prompt
-    else:
-        prompt_ids = need_tokenizer(state, "a text prompt").encode_prompt(body.prompt, use_chat_template=False)
-    return await generate(http, body, prompt_ids, chat=False)
+    body = await parse(http, CompletionRequest, http.app.state.model_name)
+    return await generate(http, body, prompt_ids(http.app.state, body.prompt), chat=False)
 
 
 @router.post("/v1/chat/completions", dependencies=[Depends(check_api_key)])
 async def chat_completions(http: HTTPRequest):
     body = await parse(http, ChatRequest, http.app.state.model_name)
-    tokenizer = need_tokenizer(http.app.state, "chat")
+    return await generate(http, body, [chat_ids(http.app.state, body.messages)], chat=True)
+
+
+@router.post("/tokenize", dependencies=[Depends(check_api_key)])
+async def tokenize(http: HTTPRequest):
+    """vLLM's: a completion's prompt, or a chat's messages through the template, as the model gets it."""
+    state = http.app.state
+    body = await parse(http, TokenizeRequest, state.model_name)
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "send either prompt or messages", param="prompt")
+    if body.messages is not None:
+        ids = chat_ids(state, body.messages)
+    elif isinstance(body.prompt, str) and not body.add_special_tokens:
+        ids = need_tokenizer(state, "a text prompt").encode_text(body.prompt)
+    else:
+        ids = prompt_ids(state, body.prompt)[0]
+    return {"count": len(ids), "max_model_len": state.client.context_length, "tokens": ids}
+
+
+@router.post("/detokenize", dependencies=[Depends(check_api_key)])
+async def detokenize(http: HTTPRequest):
+    state = http.app.state
+    body = await parse(http, DetokenizeRequest, state.model_name)
+    return {"prompt": need_tokenizer(state, "detokenize").decode(checked_ids(state, body.tokens, "tokens"))}
+
+
+@router.get("/tokenizer_info", dependencies=[Depends(check_api_key)])
+async def tokenizer_info(http: HTTPRequest):
+    """What lm-eval reads before it tokenizes through /tokenize and /detokenize (as vLLM's)."""
+    state = http.app.state
+    tokenizer = need_tokenizer(state, "tokenizer_info")
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tokenizer.eos_token,
+            "bos_token": tokenizer.bos_token, "chat_template": tokenizer.chat_template_source,
+            "model_max_length": state.client.context_length}
+
+
+def prompt_ids(state, prompt) -> list[list[int]]:
+    """A completion's `prompt` (a string, token ids, or a list of either) -> each prompt's token ids."""
+    prompts = [prompt] if isinstance(prompt, str) or prompt and isinstance(prompt[0], int) else prompt
+    if not prompts or not all(prompts):
+        raise APIError(400, "prompt is empty", param="prompt")
+    return [checked_ids(state, p) if isinstance(p, list) else
+            need_tokenizer(state, "a text prompt").encode_prompt(p, use_chat_template=False) for p in prompts]
+
+
+def checked_ids(state, ids: list[int], param: str = "prompt") -> list[int]:
+    if not all(0 <= t < state.client.vocab_size for t in ids):
+        raise APIError(400, f"token ids must be in [0, {state.client.vocab_size})", param=param)
+    return ids
+
+
+def chat_ids(state, messages) -> list[int]:
+    tokenizer = need_tokenizer(state, "chat")
     if not tokenizer.has_chat_template:
         raise APIError(400, "this model has no chat template: use /v1/completions")
     try:
-        prompt_ids = tokenizer.encode_chat([m.model_dump() for m in body.messages])
+        return tokenizer.encode_chat([m.as_dict(tokenizer.template_has_developer) for m in messages])
     except jinja2.TemplateError as e:
         raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from None
-    return await generate(http, body, prompt_ids, chat=True)
 
 
 def need_tokenizer(state, what: str) -> Tokenizer:
@@ -107,49 +165,57 @@ def need_tokenizer(state, what: str) -> Tokenizer:
     return state.tokenizer
 
 
-async def generate(http: HTTPRequest, body, prompt_ids: list[int], chat: bool):
-    """Run one request on the engine and answer it: streamed, or as one JSON body."""
+async def generate(http: HTTPRequest, body, prompts: list[list[int]], chat: bool):
+    """Run a request's choices (n per prompt, all submitted at once) on the engine and answer them:
+    streamed, or as one JSON body."""
     state = http.app.state
     client, context = state.client, state.client.context_length
     max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
-    # OpenAI's API refuses this too (a prompt too long on its own is the engine's to refuse)
-    if max_tokens and len(prompt_ids) < context < len(prompt_ids) + max_tokens:
-        raise APIError(400, f"the context holds {context} tokens: {len(prompt_ids)} of prompt "
-                       f"and {max_tokens} to generate do not fit", param="max_tokens")
+    for ids in prompts:  # OpenAI's API refuses this too (a prompt too long on its own is the engine's to refuse)
+        if max_tokens and len(ids) < context < len(ids) + max_tokens:
+            raise APIError(400, f"the context holds {context} tokens: {len(ids)} of prompt "
+                           f"and {max_tokens} to generate do not fit", param="max_tokens")
     if body.stop and state.tokenizer is None:
         raise APIError(400, "stop strings need a tokenizer; this server has none (see --tokenizer)", param="stop")
-    params = body.sampling_params(max_tokens or (context if chat else DEFAULT_COMPLETION_TOKENS))
-    stream = Stream(prompt_ids, params, state.stop_ids)
-    client.submit(stream)
-    # the first event decides the status: a refusal is a 400, before any response has started
-    first = await until_disconnected(http, stream.events.get())
-    if first is None:
-        client.abort(stream)
-        return Response(status_code=499)  # nobody is listening (nginx's code for it)
-    if isinstance(first, APIError):  # refused: a 400
-        raise first
+    max_new_tokens = max_tokens or (context if chat else DEFAULT_COMPLETION_TOKENS)
+    streams = [Stream(ids, body.sampling_params(max_new_tokens, j), state.stop_ids) for ids in prompts
+               for j in range(body.n)]
+    for stream in streams:
+        client.submit(stream)
+    abort = partial(_abort_all, client, streams)
+    # the first events decide the status: a refusal is a 400, before any response has started
+    firsts = await until_disconnected(http, asyncio.gather(*(s.events.get() for s in streams)))
+    if firsts is None or any(isinstance(first, APIError) for first in firsts):
+        abort()
+        if firsts is None:
+            return Response(status_code=499)  # nobody is listening (nginx's code for it)
+        raise next(first for first in firsts if isinstance(first, APIError))
     stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
     # chat output starts a new message; a completion continues its prompt's text
-    pieces = _pieces(stream, first, Detokenizer(state.tokenizer, [] if chat else prompt_ids, stop), client)
-    head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
-            "model": state.model_name, "object": "text_completion"}
-    if chat:
-        head["object"] = "chat.completion.chunk" if body.stream else "chat.completion"
-    answer = Answer(head, body, chat, len(prompt_ids))
-    if body.stream:  # the background task runs once the stream ends, also when the client hung up: it frees the request
-        return StreamingResponse(answer.events(pieces), media_type="text/event-stream",
-                                 background=BackgroundTask(client.abort, stream))
-    collected = await until_disconnected(http, _collect(pieces))  # a failed step's APIError raises through
+    choices = [_pieces(s, first, Detokenizer(state.tokenizer, [] if chat else s.prompt_ids, stop), client)
+               for s, first in zip(streams, firsts)]
+    answer = Answer(state, body, chat, prompts)
+    if body.stream:  # the background task runs once the stream ends, also when the client hung up: it frees the requests
+        return StreamingResponse(answer.events(choices), media_type="text/event-stream", background=BackgroundTask(abort))
+    try:
+        collected = await until_disconnected(http, asyncio.gather(*(_collect(c) for c in choices)))
+    except APIError:  # a failed step: the other choices are of no use
+        abort()
+        raise
     if collected is None:
-        client.abort(stream)
+        abort()
         return Response(status_code=499)
-    texts, tokens, reasons = zip(*collected)
-    return {**head, "choices": [answer.choice("".join(texts), list(tokens), reasons[-1])],
-            "usage": answer.usage(len(tokens))}
+    return {**answer.head, "usage": answer.usage(sum(map(len, collected))),
+            "choices": [answer.choice(i, *map(list, zip(*pieces))) for i, pieces in enumerate(collected)]}
+
+
+def _abort_all(client: EngineClient, streams: list[Stream]):
+    for stream in streams:
+        client.abort(stream)
 
 
 async def _pieces(stream: Stream, event, detokenizer: Detokenizer, client: EngineClient):
-    """-> (text, token, finish_reason) per token, finish_reason set on the last; raises the APIError
+    """-> (text, Token, finish_reason) per token, finish_reason set on the last; raises the APIError
     of a failed step."""
     while True:
         if isinstance(event, APIError):
@@ -157,12 +223,12 @@ async def _pieces(stream: Stream, event, detokenizer: Detokenizer, client: Engin
         text, stopped = detokenizer.push(event.id)
         if stopped:
             client.abort(stream)
-            yield text, event.id, "stop"
+            yield text, event, "stop"
             return
         if event.finish_reason:
-            yield text + detokenizer.held, event.id, event.finish_reason
+            yield text + detokenizer.held, event, event.finish_reason
             return
-        yield text, event.id, None
+        yield text, event, None
         event = await stream.events.get()
 
 
@@ -170,35 +236,101 @@ async def _collect(pieces):
     return [piece async for piece in pieces]
 
 
+async def _merged(sources: list):
+    """(i, item) from several async iterators, each item as it comes; an error in one raises."""
+    if len(sources) == 1:  # the common case, without a task per item
+        async for item in sources[0]:
+            yield 0, item
+        return
+    pending = {asyncio.ensure_future(anext(source)): i for i, source in enumerate(sources)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                try:
+                    item = task.result()  # raises a source's error
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(sources[i]))] = i
+                yield i, item
+    finally:
+        for task in pending:
+            task.cancel()
+
+
 class Answer:
-    """The response's shapes for one request: choices, usage, and the stream of SSE events."""
+    """The response's shapes for one request: choices with their logprobs, usage, and the stream of
+    SSE events (one per token of one choice, naming its index)."""
 
-    def __init__(self, head: dict, body, chat: bool, prompt_tokens: int):
-        self.head, self.body, self.chat, self.prompt_tokens = head, body, chat, prompt_tokens
+    def __init__(self, state, body, chat: bool, prompts: list[list[int]]):
+        self.tokenizer, self.body, self.chat, self.prompts = state.tokenizer, body, chat, prompts
+        self.head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
+                     "model": state.model_name, "object": "text_completion"}
+        if chat:
+            self.head["object"] = "chat.completion.chunk" if body.stream else "chat.completion"
+        self.echo = not chat and body.echo
+        self.logprobs = body.logprob_params()["logprobs"] is not None
+        self.offsets = [0] * len(prompts) * body.n  # each choice's text so far, for text_offset
 
-    def choice(self, text: str, tokens: list[int], reason: str | None, first: bool = False) -> dict:
+    def choice(self, index: int, texts: list[str], tokens: list[Token], reasons: list, first: bool = True) -> dict:
+        """Choice `index` of the response, or its part in one event (`first`: the choice's first)."""
+        text, prompt = "".join(texts), self.prompts[index // self.body.n]
+        if self.echo and first:
+            text = self.decode(prompt) + text
         if not self.chat:
             content = {"text": text}
         elif self.body.stream:
             content = {"delta": {"role": "assistant", "content": text} if first else {"content": text}}
         else:
             content = {"message": {"role": "assistant", "content": text}}
-        return {"index": 0, **content, "token_ids": tokens, "logprobs": None, "finish_reason": reason}
+        logprobs = None
+        if self.logprobs:
+            entries = [(t.id, t.logprob, t.top_logprobs) for t in tokens]
+            if self.echo and first:  # the first prompt token has no logprob: nothing comes before it
+                entries = [(prompt[0], None, None)] + [(t, *e) for t, e in zip(prompt[1:], tokens[0].prompt_logprobs)] + entries
+            logprobs = self.chat_logprobs(entries) if self.chat else self.completion_logprobs(index, entries)
+        return {"index": index, **content, "token_ids": [t.id for t in tokens], "logprobs": logprobs,
+                "finish_reason": reasons[-1]}
+
+    def completion_logprobs(self, index: int, entries: list) -> dict:
+        texts, offsets = [self.token_text(t) for t, _, _ in entries], []
+        for text in texts:
+            offsets.append(self.offsets[index])
+            self.offsets[index] += len(text)
+        return {"tokens": texts, "token_logprobs": [logprob for _, logprob, _ in entries],
+                "top_logprobs": [None if top is None else {self.token_text(t): v for t, v in top} for _, _, top in entries],
+                "text_offset": offsets}
+
+    def chat_logprobs(self, entries: list) -> dict:
+        def item(token, logprob):
+            text = self.token_text(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {"content": [{**item(t, logprob), "top_logprobs": [item(*alt) for alt in top]}
+                            for t, logprob, top in entries]}
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.token_text(token) if self.tokenizer else f"token_id:{token}"  # vLLM's form
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids) if self.tokenizer else ""
 
     def usage(self, n: int) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n, "total_tokens": self.prompt_tokens + n}
+        prompt_tokens = sum(map(len, self.prompts))
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
 
-    async def events(self, pieces):
-        n = 0
+    async def events(self, choices: list):
+        counts = [0] * len(choices)
         try:
-            async for text, token, reason in pieces:
-                n += 1
-                yield _sse({**self.head, "choices": [self.choice(text, [token], reason, first=n == 1)]})
+            async for i, (text, token, reason) in _merged(choices):
+                counts[i] += 1
+                yield _sse({**self.head, "choices": [self.choice(i, [text], [token], [reason], counts[i] == 1)]})
         except APIError as e:
             yield _sse(e.body())
         else:
             if self.body.stream_options and self.body.stream_options.include_usage:
-                yield _sse({**self.head, "choices": [], "usage": self.usage(n)})
+                yield _sse({**self.head, "choices": [], "usage": self.usage(sum(counts))})
         yield "data: [DONE]\n\n"
 
 
@@ -256,6 +388,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every endpoint but /health")
+    p.add_argument("--served-model-name", help="the model's name in the API (default: its folder's name)")
     add_engine_args(p)
     return p
 
@@ -281,7 +414,7 @@ def run(args):
         client = start_engine_process(partial(build_engine, args, model_dir))
     except ValueError as e:
         raise UsageError(str(e)) from None
-    server = uvicorn.Server(uvicorn.Config(build_app(client, tokenizer, model_dir.name, args.api_key), log_level="info"))
+    server = uvicorn.Server(uvicorn.Config(build_app(client, tokenizer, args.served_model_name or model_dir.name, args.api_key), log_level="info"))
     # uvicorn handles SIGINT/SIGTERM itself (a graceful shutdown), then re-raises the signal into
     # the handlers it found: make those no-ops, so a requested shutdown exits 0
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -73,6 +73,7 @@ class Tokenizer:
         # Newer HF folders keep the template in its own file; older ones in tokenizer_config.json.
         template_file = model_dir / "chat_template.jinja"
         source = template_file.read_text() if template_file.is_file() else config.get("chat_template")
+        self.chat_template_source = source
         if source is None:
             return None
         if not isinstance(source, str):
@@ -91,6 +92,11 @@ class Tokenizer:
     @property
     def has_chat_template(self) -> bool:
         return self._chat_template is not None
+
+    @property
+    def template_has_developer(self) -> bool:
+        """Whether the template knows OpenAI's newer name for the system role."""
+        return "developer" in (self.chat_template_source or "")
 
     @property
     def vocab_size(self) -> int:
@@ -117,14 +123,22 @@ class Tokenizer:
         if use_chat_template and self.has_chat_template:
             return self.encode_chat([{"role": "user", "content": prompt}])
         if self.add_bos_token is False:
-            return self._tokenizer.encode(prompt, add_special_tokens=False).ids
+            return self.encode_text(prompt)
         ids = self._tokenizer.encode(prompt).ids  # the post-processor adds what it adds (Llama-3: BOS)
         if self.add_bos_token and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids
 
+    def encode_text(self, text: str) -> list[int]:
+        """The text's own tokens, without BOS or any other special token added."""
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, special tokens included (what logprobs list it as)."""
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 class StreamDecoder:

@@ -195,8 +195,13 @@ BAD_INPUTS = [  # (path, body or raw bytes, status, param)
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "seed": 2**70}, 400, "seed"),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "top_k": -2}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 2}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/completions", {"prompt": ["hi", [1, 2]]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["hi", ""]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
     ("/v1/completions", {"prompt": "hi", "temperature": float("inf")}, 400, "temperature"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens"),  # past the context
@@ -213,7 +218,15 @@ BAD_INPUTS = [  # (path, body or raw bytes, status, param)
     ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "model": "gpt-4"}, 404, "model"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": []}, 400, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+     400, "top_logprobs"),
+    ("/tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, 400, "prompt"),
+    ("/detokenize", {"tokens": [10**6]}, 400, "tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": TOO_LONG}], "stream": True}, 400, None),
     ("/v1/nowhere", {}, 404, None),
 ]
@@ -221,11 +234,15 @@ BAD_INPUTS = [  # (path, body or raw bytes, status, param)
 
 def test_off_values_of_missing_features_are_accepted(server):
     """Some clients send these with every request; in their off values they ask for nothing."""
-    off = {"frequency_penalty": 0, "presence_penalty": 0.0, "logprobs": None}
-    got, reply = call(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, **off})
+    off = {"frequency_penalty": 0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "best_of": 1, "top_k": -1,
+           "min_p": 0, "logit_bias": {}, "tools": [], "tool_choice": "none", "response_format": {"type": "text"},
+           "store": False, "metadata": {}, "user": "someone", "suffix": None}
+    got, reply = call(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "echo": False, "logprobs": None, **off})
     assert got == 200 and reply["usage"]["completion_tokens"] == 2, reply
-    got, reply = call(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-                                                       **off, "logprobs": False})
+    messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "name": "ann", "content": "hi"},
+                {"role": "assistant", "content": None}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    got, reply = call(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 2, "logprobs": False,
+                                                       "top_logprobs": 0, **off})
     assert got == 200, reply
 
 
