@@ -195,8 +195,9 @@ async def generate(http: HTTPRequest, body, prompts: list[list[int]], chat: bool
     choices = [_pieces(s, first, Detokenizer(state.tokenizer, [] if chat else s.prompt_ids, stop), client)
                for s, first in zip(streams, firsts)]
     answer = Answer(state, body, chat, prompts)
-    if body.stream:  # the background task runs once the stream ends, also when the client hung up: it frees the requests
-        return StreamingResponse(answer.events(choices), media_type="text/event-stream", background=BackgroundTask(abort))
+    if body.stream:  # the background task runs once the stream ends, also when the client hung up: it frees them
+        return StreamingResponse(answer.events(choices), media_type="text/event-stream",
+                                 background=BackgroundTask(abort))
     try:
         collected = await until_disconnected(http, asyncio.gather(*(_collect(c) for c in choices)))
     except APIError:  # a failed step: the other choices are of no use
@@ -288,7 +289,8 @@ class Answer:
         if self.logprobs:
             entries = [(t.id, t.logprob, t.top_logprobs) for t in tokens]
             if self.echo and first:  # the first prompt token has no logprob: nothing comes before it
-                entries = [(prompt[0], None, None)] + [(t, *e) for t, e in zip(prompt[1:], tokens[0].prompt_logprobs)] + entries
+                echoed = [(t, *entry) for t, entry in zip(prompt[1:], tokens[0].prompt_logprobs)]
+                entries = [(prompt[0], None, None)] + echoed + entries
             logprobs = self.chat_logprobs(entries) if self.chat else self.completion_logprobs(index, entries)
         return {"index": index, **content, "token_ids": [t.id for t in tokens], "logprobs": logprobs,
                 "finish_reason": reasons[-1]}
@@ -298,8 +300,8 @@ class Answer:
         for text in texts:
             offsets.append(self.offsets[index])
             self.offsets[index] += len(text)
-        return {"tokens": texts, "token_logprobs": [logprob for _, logprob, _ in entries],
-                "top_logprobs": [None if top is None else {self.token_text(t): v for t, v in top} for _, _, top in entries],
+        tops = [None if top is None else {self.token_text(t): v for t, v in top} for _, _, top in entries]
+        return {"tokens": texts, "token_logprobs": [logprob for _, logprob, _ in entries], "top_logprobs": tops,
                 "text_offset": offsets}
 
     def chat_logprobs(self, entries: list) -> dict:

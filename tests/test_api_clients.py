@@ -139,3 +139,120 @@ def test_openai_list_prompts_and_models_retrieve(server):
         assert len(chunk.choices) == 1  # each event carries the one choice it concerns
         streamed[chunk.choices[0].index] += chunk.choices[0].text
     assert streamed == singles
+
+
+# ---- lm-eval: local-completions against its own HF model on the same weights ----------------------
+GSM_TASK = """task: tiny_gsm
+dataset_path: json
+dataset_kwargs:
+  data_files: {{train: {data}/gsm_train.jsonl, test: {data}/gsm_test.jsonl}}
+output_type: generate_until
+fewshot_split: train
+test_split: test
+num_fewshot: 1
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+    ignore_case: true
+    regexes_to_ignore: [",", "\\\\$", "(?s).*#### ", "\\\\.$"]
+generation_kwargs:
+  until: ["Question:", "</s>", "<|im_end|>"]
+  do_sample: false
+  temperature: 0.0
+  max_gen_toks: 24
+filter_list:
+  - name: flexible-extract
+    filter:
+      - function: regex
+        group_select: -1
+        regex_pattern: "(-?[$0-9.,]{{2,}})|(-?[0-9]+)"
+      - function: take_first
+"""
+CHOICE_TASK = """task: tiny_choice
+dataset_path: json
+dataset_kwargs:
+  data_files: {{test: {data}/choice_test.jsonl}}
+output_type: multiple_choice
+test_split: test
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{label}}}}"
+metric_list:
+  - metric: acc
+"""
+GSM_DOCS = [("What is 2 plus 3?", "2 + 3 = 5\n#### 5"), ("Tom has 4 apples and eats 1. How many are left?", "4 - 1 = 3\n#### 3"),
+            ("What is 10 times 2?", "10 * 2 = 20\n#### 20"), ("A box holds 6 eggs. How many eggs are in 2 boxes?", "6 * 2 = 12\n#### 12"),
+            ("What is 9 minus 4?", "9 - 4 = 5\n#### 5")]
+CHOICE_DOCS = [("What is the capital of France?", [" Paris", " Berlin", " a banana"], 0),
+               ("Which animal barks?", [" a cat", " a dog", " a fish"], 1),
+               ("What colour is the sky on a clear day?", [" green", " red", " blue"], 2),
+               ("How many legs does a spider have?", [" eight", " three", " one hundred"], 0)]
+
+
+@pytest.fixture(scope="module")
+def lm_eval_tasks(tmp_path_factory):
+    pytest.importorskip("lm_eval")
+    folder = tmp_path_factory.mktemp("tasks")
+    lines = [json.dumps({"question": q, "answer": a}) for q, a in GSM_DOCS]
+    (folder / "gsm_train.jsonl").write_text(lines[0] + "\n")
+    (folder / "gsm_test.jsonl").write_text("\n".join(lines[1:]) + "\n")
+    (folder / "choice_test.jsonl").write_text("".join(json.dumps({"question": q, "choices": c, "label": label}) + "\n"
+                                                      for q, c, label in CHOICE_DOCS))
+    (folder / "tiny_gsm.yaml").write_text(GSM_TASK.format(data=folder))
+    (folder / "tiny_choice.yaml").write_text(CHOICE_TASK.format(data=folder))
+    return folder
+
+
+def lm_eval_run(tasks_dir, model: str, model_args: str, batch_size: int = 1) -> dict:
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=["tiny_gsm", "tiny_choice"],
+                                   batch_size=batch_size, device="cpu", log_samples=True,
+                                   task_manager=TaskManager(include_path=str(tasks_dir)))
+
+
+def test_lm_eval_local_completions_agrees_with_lm_eval_hf(server, smollm2_dir, lm_eval_tasks):
+    reference = lm_eval_run(lm_eval_tasks, "hf", f"pretrained={smollm2_dir},dtype=float32")
+    base = f"model={NAME},base_url={server}/v1/completions,max_retries=1"
+    for args, batch_size in [(base + ",tokenized_requests=False", 1), (base, 1), (base + ",tokenized_requests=False", 4)]:
+        got = lm_eval_run(lm_eval_tasks, "local-completions", args, batch_size)
+        for task, metric in [("tiny_gsm", "exact_match,flexible-extract"), ("tiny_choice", "acc,none")]:
+            assert got["results"][task][metric] == reference["results"][task][metric], (args, batch_size, task)
+        # the generated answers, and each choice's summed logprob and is-greedy flag
+        answers = [[s["filtered_resps"], s["resps"]] for s in got["samples"]["tiny_gsm"]]
+        assert answers == [[s["filtered_resps"], s["resps"]] for s in reference["samples"]["tiny_gsm"]], args
+        choices = [[r[0] for r in sample["resps"]] for sample in got["samples"]["tiny_choice"]]
+        ref_choices = [[r[0] for r in sample["resps"]] for sample in reference["samples"]["tiny_choice"]]
+        assert [len(c) for c in choices] == [len(c) for c in ref_choices] == [3] * len(CHOICE_DOCS)
+        for (logprob, greedy), (ref_logprob, ref_greedy) in zip(sum(choices, []), sum(ref_choices, [])):
+            assert abs(float(logprob) - float(ref_logprob)) < 1e-3 and greedy == ref_greedy, args
+
+
+# ---- the serving benchmarks' request shapes -----------------------------------------------------
+BENCHMARK_REQUESTS = [  # (path, body) as SGLang's bench_serving and vLLM's benchmark_serving send them
+    ("/v1/completions", {"model": NAME, "prompt": "Hello there", "temperature": 0.0, "best_of": 1, "max_tokens": 4,
+                         "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}),  # sglang-oai
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "Hello there"}],
+                              "temperature": 0.0, "max_completion_tokens": 4, "stream": True, "ignore_eos": True,
+                              "stream_options": {"include_usage": True}}),  # sglang-oai-chat
+    ("/v1/completions", {"model": NAME, "prompt": "Hello there", "temperature": 0.0, "repetition_penalty": 1.0,
+                         "max_tokens": 4, "logprobs": None, "stream": True, "ignore_eos": True,
+                         "stream_options": {"include_usage": True}}),  # vllm openai-completions
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": [{"type": "text", "text": "Hello"}]}],
+                              "temperature": 0.0, "max_completion_tokens": 4, "stream": True, "ignore_eos": True,
+                              "stream_options": {"include_usage": True}}),  # vllm openai-chat
+]
+
+
+@pytest.mark.parametrize("path, body", BENCHMARK_REQUESTS)
+def test_serving_benchmark_request_shapes(server, path, body):
+    req = urllib.request.Request(server + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        events = [line[6:].strip() for line in resp if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]"
+    *chunks, usage = [json.loads(e) for e in events[:-1]]
+    assert len(chunks) == 4 and usage["usage"]["completion_tokens"] == 4
