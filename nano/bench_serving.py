@@ -193,20 +193,20 @@ def percentile(values: list[float], q: float) -> float:
 
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog="python -m nano.bench_serving", description=__doc__.split("\n")[0])
-    p.add_argument("--base-url", default="http://127.0.0.1:30000")
+    p.add_argument("--base-url", default="http://127.0.0.1:30000", help="the server (python -m nano.serve)")
     p.add_argument("--api-key", help="sent as Authorization: Bearer KEY")
-    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--num-prompts", type=int, default=1000, help="requests to send")
     p.add_argument("--dataset", default="random", help="random, shared-prefix, or a JSONL file of prompts")
-    p.add_argument("--random-input-len", type=int, default=1024)
+    p.add_argument("--random-input-len", type=int, default=1024, help="prompt length of the random dataset")
     p.add_argument("--random-output-len", type=int, default=128, help="also the output length of shared-prefix")
     p.add_argument("--random-range-ratio", type=float, default=1.0, help="lengths uniform in [len * ratio, len]")
     p.add_argument("--random-output-range-ratio", type=float, default=None,
                    help="the same for output lengths alone (default: --random-range-ratio)")
-    p.add_argument("--shared-prefix-len", type=int, default=2000)
-    p.add_argument("--suffix-len", type=int, default=100)
+    p.add_argument("--shared-prefix-len", type=int, default=2000, help="the common prefix of shared-prefix")
+    p.add_argument("--suffix-len", type=int, default=100, help="each shared-prefix prompt's own suffix")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second (inf: all at once)")
     p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--seed", type=int, default=1, help="seed of the prompts, lengths and arrival times")
     p.add_argument("--unknown-output-len", action="store_true",
                    help="ask for the whole context and hang up after the drawn output length (chat-shaped)")
     return p

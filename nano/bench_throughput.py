@@ -73,11 +73,13 @@ def run_hf_peer(model_dir, requests, dtype, device) -> tuple[int, float]:
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog="python -m nano.bench_throughput", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="llama-3-8b", help="model folder or shipped shape")
-    p.add_argument("--num-prompts", type=int, default=256)
-    p.add_argument("--input-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
-    p.add_argument("--output-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
+    p.add_argument("--num-prompts", type=int, default=256, help="requests, all queued at once")
+    p.add_argument("--input-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"),
+                   help="prompt lengths, uniform in [MIN, MAX]")
+    p.add_argument("--output-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"),
+                   help="output lengths, uniform in [MIN, MAX]")
     p.add_argument("--peer-prompts", type=int, default=64, help="requests for the HF peer (0: no peer)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and lengths")
     add_engine_args(p)
     return p
 

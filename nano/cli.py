@@ -45,6 +45,7 @@ def add_engine_args(p: argparse.ArgumentParser):
     defaults are EngineConfig's."""
     import torch
 
+    from nano.engine import CHUNK_SIZES, CPU_THREADS
     from nano.engine import EngineConfig as default
 
     has_cuda = torch.cuda.is_available()
@@ -69,10 +70,14 @@ def add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--disable-radix-cache", action="store_true", help="compute every prompt in full")
     p.add_argument("--disable-overlap", action="store_true",
                    help="book each decode pass's tokens before launching the next")
-    p.add_argument("--chunked-prefill-size", type=int, default=default.chunked_prefill_size,
-                   help="most prompt tokens one prefill step computes; longer prompts take several (0 or -1: off)")
+    p.add_argument("--chunked-prefill-size", type=int, default=None,
+                   help="most prompt tokens one prefill step computes; longer prompts take several (0 or -1: off; "
+                   f"default: {CHUNK_SIZES['cuda']} on GPU, {CHUNK_SIZES['cpu']} on CPU)")
     p.add_argument("--tp-size", type=int, default=default.tp_size,
                    help="tensor parallelism: split the model over this many GPUs")
+    p.add_argument("--threads", "-t", type=int, default=None,
+                   help=f"CPU threads torch computes with (default: {CPU_THREADS}; more pay only on a quiet machine "
+                   "with cores to spare)")
 
 
 def shipped_shape(name: str | None) -> Path | None:
@@ -140,6 +145,11 @@ def engine_config(args, **overrides):
                          "in Triton's interpreter, slowly)")
     if (on_gpu or backend == "triton") and importlib.util.find_spec("triton") is None:
         raise UsageError("nano's GPU kernels are written in Triton, which is not installed: pip install triton")
+    if args.tp_size > 1 and not on_gpu:  # (the engine itself runs it over gloo on CPU, for the tests)
+        raise UsageError(f"--tp-size {args.tp_size} splits the model over GPUs, and this run has none "
+                         f"(--device {args.device})")
+    if args.threads is not None and on_gpu:
+        raise UsageError("--threads sets the CPU's threads; this run computes on the GPU")
     cuda_graph = on_gpu and backend == "triton" and not args.disable_cuda_graph
     if args.cuda_graph_max_bs is not None and not cuda_graph:
         raise UsageError("--cuda-graph-max-bs: CUDA graphs run only on a GPU, with the triton backend, "
@@ -150,7 +160,7 @@ def engine_config(args, **overrides):
         context_length=args.context_length, use_mla=not args.disable_mla, cuda_graph=cuda_graph,
         cuda_graph_max_bs=args.cuda_graph_max_bs, radix_cache=not args.disable_radix_cache,
         chunked_prefill_size=args.chunked_prefill_size, overlap=not args.disable_overlap, tp_size=args.tp_size,
-    ) | overrides)  # a command's own settings (bench_latency: the whole batch in one prefill)
+        threads=args.threads) | overrides)  # a command's own settings (bench_latency: the whole batch in one prefill)
     try:
         config.validate()
     except ValueError as e:  # its messages name a setting as its flag, less the dashes

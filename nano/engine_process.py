@@ -9,7 +9,8 @@ A server runs two loops, each in its own process (serve.py says why):
 What crosses between them is a handful of typed messages (below), pickled through
 multiprocessing queues. Every request gets an answer: a request the engine refuses gets a 400, a
 step that raises fails the requests it was running with a 500 and the loop goes on, and if the
-engine process dies every open stream gets a 500.
+engine process dies every open stream gets a 500. While it works, the loop logs a line of
+statistics on stderr every 10 seconds.
 """
 
 import asyncio
@@ -17,7 +18,9 @@ import multiprocessing
 import os
 import queue
 import signal
+import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 
@@ -103,6 +106,7 @@ def run_engine(engine, inbox, outbox):
     StepOutput, until Shutdown. It sleeps in the inbox while idle."""
     outbox.put(Ready(engine.cfg.vocab_size, engine.cfg.eos_token_ids, engine.context_length, engine_state(engine)))
     requests = {}  # stream id -> the engine's request, while the engine holds it
+    log = StatsLog(engine)
     while True:
         messages = [] if engine.has_work() else [inbox.get()]
         while True:  # and whatever else has arrived since the last step
@@ -125,6 +129,27 @@ def run_engine(engine, inbox, outbox):
         if engine.has_work():
             events += _step(engine, requests)
         outbox.put(StepOutput(events, engine_state(engine)))
+        log.maybe_print()
+
+
+class StatsLog:
+    """A line on stderr every `every` seconds while the engine works, as SGLang logs one: requests
+    running and waiting, decode tokens per second since the last line, the KV cache in use."""
+
+    def __init__(self, engine, every: float = 10.0):
+        self.engine, self.every = engine, every
+        self.last, self.decoded = time.monotonic(), 0
+
+    def maybe_print(self):
+        now, stats = time.monotonic(), self.engine.stats
+        if now - self.last < self.every or stats["decode_tokens"] == self.decoded:
+            return
+        state = engine_state(self.engine)
+        used = 1 - (state["free_slots"] + state["cached_slots"] - state["locked_slots"]) / state["total_slots"]
+        print(f"engine: {state['running']} running, {state['waiting']} waiting, decode "
+              f"{(stats['decode_tokens'] - self.decoded) / (now - self.last):,.1f} tok/s, KV cache {used:.0%} in use, "
+              f"{stats['retractions']} retractions so far", file=sys.stderr, flush=True)
+        self.last, self.decoded = now, stats["decode_tokens"]
 
 
 def _step(engine, requests: dict) -> list:

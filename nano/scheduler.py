@@ -164,13 +164,14 @@ class Scheduler:
 
     def _admit(self, req: Request) -> bool:
         """Give req a row that starts with the slots of the longest cached prefix of what it fills,
-        locked while it runs. The last token is always computed: the pass must produce its logits."""
+        locked while it runs. The last token is always computed: the pass must produce its logits;
+        a request that asks for its prompt's logprobs computes every token (an empty match)."""
         row = self.req_to_token_pool.alloc()
         if row is None:
             return False
         req.row, req.cached_len, req.status = row, 0, Status.PREFILLING
         if self.prefix_cache is not None:
-            slots, req.prefix_node = self.prefix_cache.match(req.fill_ids[:-1])
+            slots, req.prefix_node = self.prefix_cache.match(req.fill_ids[: 0 if req.params.prompt_logprobs else -1])
             self.prefix_cache.lock(req.prefix_node)
             self.req_to_token_pool.req_to_token[row, : len(slots)] = slots
             req.cached_len = len(slots)

@@ -31,6 +31,7 @@ takes token-id prompts and still says what it generated; vLLM's `/tokenize`, `/d
 """
 
 import asyncio
+import copy
 import json
 import secrets
 import signal
@@ -385,10 +386,11 @@ def build_app(client: EngineClient, tokenizer: Tokenizer | None, model_name: str
 # ---- the command line ------------------------------------------------------------------------
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog="python -m nano.serve", description=__doc__.split("\n")[0])
-    p.add_argument("--model", help="HF model folder, or a shipped shape name with --load-format dummy")
+    p.add_argument("--model", help="a model folder, or a shipped shape (dummy weights, no tokenizer); default: the "
+                   "embedded SmolLM2-135M-Instruct, fetched on first use")
     p.add_argument("--tokenizer", help="folder whose tokenizer to use (default: the model's, if it has one)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=30000, help="port to listen on")
     p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every endpoint but /health")
     p.add_argument("--served-model-name", help="the model's name in the API (default: its folder's name)")
     add_engine_args(p)
@@ -416,7 +418,10 @@ def run(args):
         client = start_engine_process(partial(build_engine, args, model_dir))
     except ValueError as e:
         raise UsageError(str(e)) from None
-    server = uvicorn.Server(uvicorn.Config(build_app(client, tokenizer, args.served_model_name or model_dir.name, args.api_key), log_level="info"))
+    log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)  # every log line on stderr, the access log too
+    log_config["handlers"]["access"]["stream"] = "ext://sys.stderr"
+    app = build_app(client, tokenizer, args.served_model_name or model_dir.name, args.api_key)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="info", log_config=log_config))
     # uvicorn handles SIGINT/SIGTERM itself (a graceful shutdown), then re-raises the signal into
     # the handlers it found: make those no-ops, so a requested shutdown exits 0
     for sig in (signal.SIGINT, signal.SIGTERM):

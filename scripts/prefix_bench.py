@@ -71,12 +71,12 @@ def shared_prefix_round(engine, args, seed) -> tuple[float, int, int]:
 def long_prompt_round(engine, args, seed) -> tuple[float, float, float]:
     """-> (largest inter-token gap of a running request, median gap, long prompt's time to first token)."""
     g, vocab = torch.Generator().manual_seed(seed), engine.cfg.vocab_size
-    chunk = engine.chunked_prefill_size if engine.chunked_prefill_size > 0 else args.long_len
+    chunk = engine.scheduler.prefill_budget if engine.scheduler.chunking else args.long_len
     warm_steps, after_steps = 4, 4
     # enough tokens to keep decoding through every chunk step and the decode step after each
     params = SamplingParams(max_new_tokens=warm_steps + 2 * -(-args.long_len // chunk) + after_steps + 2, ignore_eos=True)
     running = [engine.add_request(random_tokens(g, args.running_len, vocab), params) for _ in range(args.num_running)]
-    while len(engine.running) < len(running):
+    while len(engine.scheduler.running) < len(running):
         engine.step()
     for _ in range(warm_steps):
         engine.step()
