@@ -57,7 +57,7 @@ from nano.tp import TensorParallel, launch, parallelize, rank_device, shard_conf
 # Prompt tokens one prefill step computes at most, by device. A step holds up every running stream
 # for its whole length; a GPU computes 8k tokens in a fraction of a second, a CPU in over a minute,
 # so on CPU shorter chunks keep streams moving (BENCHMARKS.md: the CPU server's worst stall).
-CHUNK_SIZES = {"cuda": 8192, "cpu": 512}
+CHUNK_SIZES = {"cuda": 8192, "cpu": 256}
 # torch's CPU threads: half the cores. torch's own default, a thread per core, waits at every op
 # for its slowest thread, and when another process takes a core the whole step waits for the
 # thread that lost it (BENCHMARKS.md: decode beside a busy process fell to a quarter of its speed).

@@ -40,7 +40,7 @@ def stamped(cls, name, before=None, after=None):
 stamped(Engine, "step", "step start", "step end")
 stamped(tp_module.TensorParallel, "send_batch", "send start", "send end")
 stamped(tp_module.TensorParallel, "receive_batch", None, "rank 1 has the batch")
-stamped(Engine, "_forward", None, "forward launched")
+stamped(Engine, "forward", None, "forward launched")
 original_close = Engine.close
 
 

@@ -87,7 +87,7 @@ class EagerReplay:
 
     def replay(self):
         runner = self.runner
-        runner.logits[self.bs].copy_(runner.forward(runner.inputs.batch(self.bs)))
+        runner.logits[self.bs].copy_(runner.model(runner.inputs.batch(self.bs), runner.attn))
 
 
 @requires_cuda

@@ -84,7 +84,7 @@ def test_float32_triton_equals_torch_on_gpu(tmp_path, monkeypatch, model):
                                       ("triton with graphs", "triton", True)]:
         steps = record_logits(monkeypatch)
         outputs = greedy(tmp_path, backend, prompts, device="cuda", dtype=torch.float32, max_total_tokens=512,
-                         max_requests=8, cuda_graph=cuda_graph, **args)
+                         max_running_requests=8, cuda_graph=cuda_graph, **args)
         runs[name] = outputs, torch.cat(steps)  # prefill, then each decode step: [6, vocab] each
     ref_out, ref_logits = runs["torch"]
     for name in ("triton", "triton with graphs"):
