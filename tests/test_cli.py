@@ -1,6 +1,7 @@
 """The command line end to end: the real default model answers, and bad input ends with one line
 on stderr and exit status 2 (never a traceback), Ctrl-C with exit status 130."""
 
+import importlib
 import json
 import os
 import signal
@@ -182,6 +183,12 @@ def test_bench_latency_without_flags_times_a_shape_that_fits():
     assert "Decode.  median latency" in result.stdout
 
 
+@pytest.mark.parametrize("module", ["generate", "serve", "bench_latency", "bench_throughput", "bench_serving"])
+def test_every_flag_has_a_help_text(module):
+    parser = importlib.import_module(f"nano.{module}").build_parser()
+    assert [a.option_strings for a in parser._actions if not a.help] == []
+
+
 @pytest.mark.parametrize("module", ["nano.generate", "nano.bench_latency"])
 def test_help_shows_defaults_and_examples(module):
     result = run_cli("--help", module=module)
@@ -200,6 +207,8 @@ def test_help_shows_defaults_and_examples(module):
     (["--batch-size"], "--batch-size"),
     (["--peak-bandwidth", "nan"], "--peak-bandwidth"),
     (["--max-total-tokens", "200", "--batch-size", "2"], "does not fit"),  # else it times one at a time
+    (["--device", "cpu", "--tp-size", "2"], "splits the model over GPUs, and this run has none"),
+    (["--device", "cpu", "--threads", "0"], "--threads must be >= 1"),
 ])
 def test_bad_engine_flags(flags, fragment):
     """Flag errors come before any model is loaded (a batch that does not fit the KV cache once it is

@@ -132,6 +132,22 @@ def test_two_ranks_match_one(tmp_path, monkeypatch, model):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0, msg=f"step {step}")
 
 
+def test_two_ranks_retract_and_recompute_like_one(tmp_path):
+    """A pool too small for its requests (scheduler.py retracts on rank 0): the recomputing prefill
+    after a retraction reaches rank 1 like any other pass, and the tokens equal one rank's on a
+    roomy pool."""
+    save_tiny_llama(tmp_path, "gqa4-tied")
+    prompts = random_prompts([20] * 6, 320, seed=3)
+    params = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    expected = Engine(tmp_path, EngineConfig(max_total_tokens=1000, log=False)).generate(prompts, params)
+    engine = Engine(tmp_path, EngineConfig(max_total_tokens=200, chunked_prefill_size=16, tp_size=2, log=False))
+    try:
+        assert engine.generate(prompts, params) == expected
+        assert engine.stats["retractions"] > 0
+    finally:
+        engine.close()
+
+
 def _random_prompts(n, vocab, seed):
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, 200, (n,), generator=g).tolist()
