@@ -1,0 +1,75 @@
+"""Published chat templates other than SmolLM2's, rendered by nano's Tokenizer exactly as HF
+transformers' AutoTokenizer renders them. The folders borrow SmolLM2's tokenizer.json: it has the
+same ChatML tokens (<|im_start|>, <|im_end|>), and the rendering does not depend on the vocabulary.
+
+tests/data/qwen2.5-instruct.chat_template.jinja is the "chat_template" of Qwen/Qwen2.5-7B-Instruct's
+tokenizer_config.json (Apache-2.0), byte for byte as ggml-org/llama.cpp keeps it in
+models/templates/Qwen-Qwen2.5-7B-Instruct.jinja (taken from the llama-cpp-python 0.3.36 sdist,
+which vendors llama.cpp). It equals the JSON string quoted from that tokenizer_config.json in
+ShishirPatil/gorilla, berkeley-function-call-leaderboard/bfcl/model_handler/oss_model/qwen.py."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from nano.tokenizer import Tokenizer
+
+DATA = Path(__file__).parent / "data"
+QWEN25_TEMPLATE = DATA / "qwen2.5-instruct.chat_template.jinja"
+# Qwen2.5-7B-Instruct's tokenizer_config.json, apart from the template: no BOS, <|im_end|> ends a
+# turn, <|endoftext|> pads. The class stays SmolLM2's, whose tokenizer.json this is.
+QWEN25_TOKENS = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": None,
+                 "add_bos_token": False}
+
+CONVERSATIONS = {
+    "system and user": [{"role": "system", "content": "You are a terse geography tutor."},
+                        {"role": "user", "content": "What is the capital of France?"}],
+    # Qwen's template writes its own system prompt ("You are Qwen, created by Alibaba Cloud. ...")
+    "user only": [{"role": "user", "content": "What is the capital of France?"}],
+    "several turns": [{"role": "user", "content": "Name a river."},
+                      {"role": "assistant", "content": "The Seine."},
+                      {"role": "system", "content": "Answer in French from now on."},
+                      {"role": "user", "content": "Et une montagne ?"}],
+    # an assistant turn with tool calls, and two tool results written into one user turn; the
+    # arguments go through the template's tojson filter
+    "tool calls": [{"role": "user", "content": "Weather in Paris and Lyon?"},
+                   {"role": "assistant", "content": "", "tool_calls": [
+                       {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}},
+                       {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Lyon", "days": [1, 2]}}}]},
+                   {"role": "tool", "content": "{\"temp\": 21}"},
+                   {"role": "tool", "content": "{\"temp\": 24}"}],
+}
+
+
+@pytest.fixture(scope="module")
+def qwen25_folder(smollm2_dir, tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("qwen25-template")
+    shutil.copy(smollm2_dir / "tokenizer.json", folder / "tokenizer.json")
+    config = json.loads((smollm2_dir / "tokenizer_config.json").read_text())
+    config.update(QWEN25_TOKENS, chat_template=QWEN25_TEMPLATE.read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("name", CONVERSATIONS)
+def test_qwen25_template_renders_as_hf(qwen25_folder, name):
+    messages = CONVERSATIONS[name]
+    expected = AutoTokenizer.from_pretrained(qwen25_folder).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+    assert Tokenizer(qwen25_folder).apply_chat_template(messages) == expected
+    assert expected.endswith("<|im_start|>assistant\n")
+    if name == "user only":
+        assert expected.startswith("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+                                   "assistant.<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n")
+
+
+def test_qwen25_folder_tokens(qwen25_folder):
+    """The rendered prompt encodes to the same ids, and <|im_end|> is what ends a turn."""
+    tokenizer, hf = Tokenizer(qwen25_folder), AutoTokenizer.from_pretrained(qwen25_folder)
+    messages = CONVERSATIONS["user only"]
+    assert tokenizer.encode_chat(messages) == hf.apply_chat_template(messages, add_generation_prompt=True,
+                                                                     return_dict=True)["input_ids"]
+    assert tokenizer.bos_token is None and tokenizer.eos_token_ids == [hf.convert_tokens_to_ids("<|im_end|>")]
