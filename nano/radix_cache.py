@@ -3,8 +3,9 @@
 Many requests start alike: a system prompt, a few-shot preamble, the earlier turns of a
 conversation. The K/V of a token depends only on the tokens before it, so two requests that share
 their first n tokens may share those n slots, and the second computes only what comes after.
-When a request finishes, its tokens and slots stay here instead of going back to the allocator,
-and a later request that starts the same way finds them (SGLang's RadixAttention, Zheng et al.,
+When a request finishes, its tokens and slots stay here instead of going back to the allocator
+(its prompt comes in earlier, once prefilled: scheduler.py), and a later request that starts the
+same way finds them (SGLang's RadixAttention, Zheng et al.,
 "SGLang: Efficient Execution of Structured Language Model Programs", 2024).
 
 Why a tree: cached sequences share prefixes, so we store each shared part once. A radix tree

@@ -26,7 +26,10 @@ starve, and the ratio backs off (+0.3): the bet was too bold. The last running r
 retracted: alone it always fits, since no request's context exceeds the pool.
 
 Room is counted in slots: free ones plus cached ones that no running request locks (those are
-evicted, least recently used first, when the allocator runs short).
+evicted, least recently used first, when the allocator runs short). A prompt goes into the prefix
+cache as soon as it is prefilled, locked while its request runs, so a request admitted later that
+starts the same way computes only the rest; one that arrives with it (`n` samples of one prompt)
+waits a step for that.
 
 Chunked prefill: a prompt longer than the chunk budget is cut; each further chunk is an extend
 whose cached prefix is the chunks before it. A step that leaves a prompt part-way owes the running
@@ -45,6 +48,7 @@ from nano.radix_cache import Node, RadixCache
 from nano.sampling import SamplingParams
 
 ESTIMATE_CLIP = 4096  # most remaining tokens a request is expected to need
+SHARED_HEAD = 32  # prompt tokens that, computed by another request in the same pass, are worth a step's wait
 INITIAL_RATIO, MIN_RATIO, RATIO_DECAY, RETRACT_BACKOFF = 0.7, 0.1, 0.001, 0.3
 
 
@@ -67,7 +71,7 @@ class Request:
     status: Status = Status.WAITING
     row: int = -1  # its row in req_to_token while admitted
     prefix_node: Node | None = None  # where its cached prefix ends in the prefix cache (locked)
-    cached_len: int = 0  # tokens its admission found in the prefix cache
+    cached_len: int = 0  # tokens of its row that the prefix cache holds (found at admission, or its own prompt)
     prefilled: int = 0  # tokens of `fill_ids` whose K/V its row holds
     in_flight: int = 0  # decode passes launched for it whose tokens the host has not booked yet
 
@@ -101,9 +105,8 @@ class Scheduler:
     def __init__(self, req_to_token_pool: ReqToTokenPool, slots: SlotAllocator, prefix_cache: RadixCache | None,
                  max_prefill_tokens: int, chunked_prefill_size: int, stats: dict):
         self.req_to_token_pool, self.slots, self.prefix_cache = req_to_token_pool, slots, prefix_cache
-        chunking = chunked_prefill_size > 0
-        self.chunking = chunking
-        self.prefill_budget = min(max_prefill_tokens, chunked_prefill_size) if chunking else max_prefill_tokens
+        self.chunking = chunked_prefill_size > 0
+        self.prefill_budget = min(max_prefill_tokens, chunked_prefill_size) if self.chunking else max_prefill_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.chunked: Request | None = None  # the request whose prompt is part-way through prefill
@@ -142,7 +145,7 @@ class Scheduler:
         committed = sum(self.expected_need(r) for r in self.running + [r for r, _ in chunks])
         while self.waiting and budget > 0:
             req = self.waiting[0]
-            if not self._admit(req):
+            if self._computed_in(chunks, req) or not self._admit(req):
                 break
             extend = len(req.fill_ids) - req.cached_len
             if self.chunking:
@@ -153,14 +156,23 @@ class Scheduler:
                 req.status = Status.RETRACTED if req.output_ids else Status.WAITING
                 break
             self.waiting.popleft()
-            counter = "recomputed_tokens" if req.output_ids else "prefill_tokens"
-            self.stats[counter] += len(req.fill_ids) - (req.cached_len if req.output_ids else 0)
-            self.stats["cached_tokens"] += 0 if req.output_ids else req.cached_len
+            if req.output_ids:  # admitted again after a retraction: what it computes again
+                self.stats["recomputed_tokens"] += len(req.fill_ids) - req.cached_len
+            else:
+                self.stats["prefill_tokens"] += len(req.fill_ids)
+                self.stats["cached_tokens"] += req.cached_len
             chunks.append((req, extend))
             committed += need
             budget -= extend
         self.decode_owed = False
         return chunks
+
+    def _computed_in(self, chunks: list[tuple[Request, int]], req: Request) -> bool:
+        """Whether this pass computes the start of req's prompt for another request (n samples of one
+        prompt arrive together): then req waits a step and finds it in the prefix cache."""
+        head = req.fill_ids[:SHARED_HEAD]
+        return (self.prefix_cache is not None and len(head) == SHARED_HEAD and not req.params.prompt_logprobs
+                and any(r.cached_len < SHARED_HEAD and r.fill_ids[:SHARED_HEAD] == head for r, _ in chunks))
 
     def _admit(self, req: Request) -> bool:
         """Give req a row that starts with the slots of the longest cached prefix of what it fills,
@@ -188,8 +200,24 @@ class Scheduler:
         self.decode_owed = self.chunked is not None
         for req in done:
             req.status = Status.RUNNING
+            if self.prefix_cache is not None:
+                self._cache_prompt(req)
         self.running.extend(done)
         return done
+
+    def _cache_prompt(self, req: Request):
+        """Put what a request has just prefilled into the prefix cache now, not when it finishes, so
+        that requests admitted while it runs (n samples of one prompt, the next turn of a chat)
+        compute only what follows. Not when the tree already holds more of it than the request
+        found there (another request computed it meanwhile): the row keeps its own copy till the end."""
+        tokens = req.fill_ids[: req.prefilled]
+        if len(self.prefix_cache.match(tokens)[0]) != req.cached_len:
+            return
+        self.prefix_cache.insert(tokens, self.req_to_token_pool.req_to_token[req.row, : req.prefilled].clone())
+        node = self.prefix_cache.match(tokens)[1]
+        self.prefix_cache.lock(node)
+        self.prefix_cache.unlock(req.prefix_node)
+        req.prefix_node, req.cached_len = node, req.prefilled
 
     # ---- decode: retraction when the bet was lost -------------------------------------------
     def schedule_decode(self) -> list[Request]:

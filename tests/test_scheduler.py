@@ -55,3 +55,19 @@ def test_an_oversubscribed_pool_retracts_and_every_request_gets_its_tokens(tmp_p
     assert engine.generate(prompts, [params(i) for i in range(8)]) == expected
     assert engine.stats["retractions"] > 0 and engine.stats["recomputed_tokens"] > 0
     assert engine.slots.available + engine.prefix_cache.size == 320 and engine.prefix_cache.locked_size == 0
+
+
+def test_samples_of_one_prompt_compute_it_once(tmp_path):
+    """n samples of one prompt arrive together: the first computes the prompt, which goes into the
+    prefix cache as soon as it is prefilled; the others wait a step and compute only its last token.
+    Their seeded tokens are those of an engine without a cache."""
+    save_tiny_llama(tmp_path, "gqa")
+    prompt = random_prompts([60], LLAMA_TINY["vocab_size"], seed=8)[0]
+    params = [SamplingParams(max_new_tokens=6, temperature=0.9, seed=s) for s in range(3)]
+    engine = Engine(tmp_path, EngineConfig(max_total_tokens=400, log=False))
+    outputs = engine.generate([prompt] * 3, params)
+    assert engine.stats["prefill_tokens"] - engine.stats["cached_tokens"] == 60 + 1 + 1
+    assert len({tuple(o) for o in outputs}) == 3
+    plain = Engine(tmp_path, EngineConfig(max_total_tokens=400, radix_cache=False, log=False))
+    assert plain.generate([prompt] * 3, params) == outputs
+    assert engine.slots.available + engine.prefix_cache.size == 400 and engine.prefix_cache.locked_size == 0
