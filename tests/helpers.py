@@ -4,9 +4,13 @@ a command line. The test modules import from here, never from each other."""
 
 import contextlib
 import json
+import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 
 import pytest
 import torch
@@ -200,3 +204,33 @@ def save_tiny_chat_model(folder, tokenizer_dir, **config):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_dir / name, folder / name)
     return folder
+
+
+# one thread: for a model this small, splitting each op across threads costs more than it saves
+SERVER_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model, log_path, *flags, timeout=120):
+    """`python -m nano.serve` on a free port, waited for until /health answers -> (process, url)."""
+    port = free_port()
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "nano.serve", "--model", str(model), "--port", str(port), *flags],
+                            stdout=log, stderr=subprocess.STDOUT, env=SERVER_ENV)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, open(log_path).read()
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1)
+            assert f"serving on {url} " in open(log_path).read()  # the address, for whoever started it
+            return proc, url
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(f"server did not come up: {open(log_path).read()}")

@@ -5,21 +5,17 @@ local-completions against its own `--model hf` on small local tasks (generation 
 choice); and the request shapes of SGLang's and vLLM's serving benchmarks."""
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 import urllib.request
 
 import pytest
 import torch
 
+from tests.helpers import start_server
+
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 NAME = "smol"  # --served-model-name
-SERVER_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def post(url, path, body) -> dict:
@@ -30,22 +26,8 @@ def post(url, path, body) -> dict:
 
 @pytest.fixture(scope="module")
 def server(smollm2_dir, tmp_path_factory):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log_path = tmp_path_factory.mktemp("log") / "server.log"
-    proc = subprocess.Popen([sys.executable, "-m", "nano.serve", "--model", str(smollm2_dir), "--port", str(port),
-                             "--served-model-name", NAME, "--max-total-tokens", "30000"],
-                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=SERVER_ENV)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while True:
-        assert proc.poll() is None and time.time() < deadline, log_path.read_text()
-        try:
-            urllib.request.urlopen(url + "/health", timeout=1)
-            break
-        except OSError:
-            time.sleep(0.3)
+    proc, url = start_server(smollm2_dir, tmp_path_factory.mktemp("log") / "server.log", "--served-model-name", NAME,
+                             "--max-total-tokens", "30000", timeout=180)
     yield url
     proc.terminate()
     assert proc.wait(timeout=60) == 0

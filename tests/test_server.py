@@ -6,12 +6,8 @@ an engine step that raises."""
 import asyncio
 import http.client
 import json
-import os
 import queue
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -32,39 +28,13 @@ from nano.api import MAX_BODY_BYTES  # noqa: E402
 from nano.engine_process import EngineClient, run_engine  # noqa: E402
 from nano.serve import build_app  # noqa: E402
 from nano.tokenizer import Tokenizer  # noqa: E402
-from tests.helpers import assert_one_line_error, run_cli, save_tiny_chat_model  # noqa: E402
+from tests.helpers import (assert_one_line_error, free_port, run_cli, save_tiny_chat_model,  # noqa: E402
+                           start_server)
 
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 PROMPT = "What is the capital of France?"
-# one thread: for a model this small, splitting each op across threads costs more than it saves
-SERVER_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model, log_path, *flags):
-    port = free_port()
-    log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "nano.serve", "--model", str(model), "--port", str(port),
-                             "--max-total-tokens", "100000", "--max-running-requests", "64", *flags],
-                            stdout=log, stderr=subprocess.STDOUT, env=SERVER_ENV)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        assert proc.poll() is None, open(log_path).read()
-        try:
-            urllib.request.urlopen(url + "/health", timeout=1)
-            assert f"serving on {url} " in open(log_path).read()  # the address, for whoever started it
-            return proc, url
-        except OSError:
-            time.sleep(0.2)
-    proc.kill()
-    raise AssertionError(f"server did not come up: {open(log_path).read()}")
+SERVER_FLAGS = ("--max-total-tokens", "100000", "--max-running-requests", "64")
 
 
 def call(url, path, body=None, headers=AUTH, raw: bytes | None = None):
@@ -94,7 +64,7 @@ def tiny_model(tmp_path_factory, smollm2_dir):
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    proc, url = start_server(tiny_model, tmp_path_factory.mktemp("log") / "server.log", "--api-key", API_KEY)
+    proc, url = start_server(tiny_model, tmp_path_factory.mktemp("log") / "server.log", *SERVER_FLAGS, "--api-key", API_KEY)
     yield url
     proc.terminate()
     try:
@@ -312,7 +282,7 @@ def test_api_key_is_required_except_for_health(server):
 
 
 def test_sigterm_finishes_the_request_in_flight_and_exits_0(tiny_model, tmp_path):
-    proc, url = start_server(tiny_model, tmp_path / "server.log")
+    proc, url = start_server(tiny_model, tmp_path / "server.log", *SERVER_FLAGS)
     body = dict(prompt=[300, 301], max_tokens=200, ignore_eos=True, stream=True)
 
     async def main():
@@ -364,7 +334,7 @@ def is_running(pid: int) -> bool:
 def test_the_engine_process_ends_with_the_server(tiny_model, tmp_path):
     """Killed outright, with no shutdown to run, the server leaves no process behind holding the
     model and the KV cache."""
-    proc, _ = start_server(tiny_model, tmp_path / "server.log")
+    proc, _ = start_server(tiny_model, tmp_path / "server.log", *SERVER_FLAGS)
     children = child_pids(proc.pid)
     assert children  # the engine's process (and multiprocessing's helper)
     proc.kill()

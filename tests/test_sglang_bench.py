@@ -11,15 +11,15 @@ prompts the dataset can have made."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 import zipfile
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import start_server
 
 pytest.importorskip("fastapi")
 for module in ("aiohttp", "msgspec", "orjson", "pybase64", "PIL", "datasets", "requests", "transformers"):
@@ -63,12 +63,6 @@ SHAREGPT = [  # the dataset keeps each conversation's first two turns; the first
 NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 4, 24, 8
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def sglang_wheel() -> Path:
     found = sorted(WHEEL_CACHE.glob(f"sglang-{SGLANG.split('==')[1]}-*.whl"))
     if found:
@@ -101,21 +95,9 @@ def bench_path(tmp_path_factory) -> Path:
 def server(smollm2_dir, tmp_path_factory):
     """nano.serve under the name SGLang would give the model: its path, which the benchmark reads
     from /v1/models and loads its tokenizer from."""
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("log") / "server.log"
-    proc = subprocess.Popen([sys.executable, "-m", "nano.serve", "--model", str(smollm2_dir), "--port", str(port),
-                             "--served-model-name", str(smollm2_dir)],
-                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while True:
-        assert proc.poll() is None and time.time() < deadline, log_path.read_text()
-        try:
-            urllib.request.urlopen(url + "/health", timeout=1)
-            break
-        except OSError:
-            time.sleep(0.3)
-    yield port
+    proc, url = start_server(smollm2_dir, tmp_path_factory.mktemp("log") / "server.log",
+                             "--served-model-name", str(smollm2_dir), timeout=180)
+    yield int(url.rsplit(":", 1)[1])
     proc.terminate()
     assert proc.wait(timeout=60) == 0
 
