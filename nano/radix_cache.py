@@ -60,23 +60,24 @@ class RadixCache:
             return self.root.slots, self.root
         return torch.cat([node.slots for node in path]), path[-1]
 
-    def insert(self, tokens: list[int], slots: torch.Tensor):
-        """Cache `slots`, the K/V of `tokens`. Where the tree already holds a prefix of `tokens`,
-        the given slots for it are duplicates and go back to the allocator (those that are the
-        tree's own, the request's matched prefix, stay)."""
+    def insert(self, tokens: list[int], slots: torch.Tensor) -> Node:
+        """Cache `slots`, the K/V of `tokens` -> the node where they end. Where the tree already
+        holds a prefix of `tokens`, the given slots for it are duplicates and go back to the
+        allocator (those that are the tree's own, the request's matched prefix, stay)."""
         path, i, duplicates = self._walk(tokens), 0, []
         for node in path:
             mine = slots[i : i + len(node.key)]
             duplicates.append(mine[mine != node.slots])
             i += len(node.key)
+        end = path[-1] if path else self.root
         if i < len(tokens):
-            parent = path[-1] if path else self.root
-            leaf = Node(tokens[i:], slots[i:], parent)
-            leaf.last_used = self.clock
-            parent.children[tokens[i]] = leaf
-            self.size += len(leaf.key)
+            end = Node(tokens[i:], slots[i:], end)
+            end.last_used = self.clock
+            end.parent.children[tokens[i]] = end
+            self.size += len(end.key)
         if duplicates:
             self.allocator.free(torch.cat(duplicates))
+        return end
 
     def _walk(self, tokens: list[int]) -> list[Node]:
         """The nodes that spell the longest cached prefix of `tokens`, from the root down, stamped

@@ -60,7 +60,7 @@ class Status(Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself, never equal to another: `in` and `remove` compare identities
 class Request:
     rid: int
     prompt_ids: list[int]
@@ -213,8 +213,7 @@ class Scheduler:
         tokens = req.fill_ids[: req.prefilled]
         if len(self.prefix_cache.match(tokens)[0]) != req.cached_len:
             return
-        self.prefix_cache.insert(tokens, self.req_to_token_pool.req_to_token[req.row, : req.prefilled].clone())
-        node = self.prefix_cache.match(tokens)[1]
+        node = self.prefix_cache.insert(tokens, self.req_to_token_pool.req_to_token[req.row, : req.prefilled].clone())
         self.prefix_cache.lock(node)
         self.prefix_cache.unlock(req.prefix_node)
         req.prefix_node, req.cached_len = node, req.prefilled
