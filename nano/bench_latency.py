@@ -109,7 +109,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
     p.add_argument("--output-len", type=int, default=8,
                    help="tokens per request: the first from prefill, one decode step for each of the others")
-    p.add_argument("--peak-bandwidth", type=float, default=None,
+    p.add_argument("--peak-bandwidth", type=float,
                    help="GB/s to compute the floor from (default: measure a device copy at start)")
     add_engine_args(p)
     return p

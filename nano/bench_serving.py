@@ -16,9 +16,10 @@ in flight, and times every streamed token. Per request:
 Throughput is tokens over the whole run's wall time.
 
 Prompts are token ids (the server needs no tokenizer) from one of three datasets: `random` (lengths
-uniform in [len * ratio, len]: above, inputs of 128-1024 tokens, outputs of 128-512), `shared-prefix` (one common prefix, then a unique suffix each: what
-a prefix cache can save), or a JSONL file with a `prompt` (text or token ids) and optional
-`output_len` per line. `ignore_eos` makes every request generate exactly its output length.
+uniform in [len * ratio, len]: above, inputs of 128-1024 tokens, outputs of 128-512), `shared-prefix`
+(one common prefix, then a unique suffix each: what a prefix cache can save), or a JSONL file with a
+`prompt` (text or token ids) and optional `output_len` per line. `ignore_eos` makes every request
+generate exactly its output length.
 
 Chat traffic does not say how long its answers will be: a chat client sends no `max_tokens`, the
 server gives the request the whole context, and the answer ends where the model or the user
@@ -200,12 +201,12 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--random-input-len", type=int, default=1024, help="prompt length of the random dataset")
     p.add_argument("--random-output-len", type=int, default=128, help="also the output length of shared-prefix")
     p.add_argument("--random-range-ratio", type=float, default=1.0, help="lengths uniform in [len * ratio, len]")
-    p.add_argument("--random-output-range-ratio", type=float, default=None,
+    p.add_argument("--random-output-range-ratio", type=float,
                    help="the same for output lengths alone (default: --random-range-ratio)")
     p.add_argument("--shared-prefix-len", type=int, default=2000, help="the common prefix of shared-prefix")
     p.add_argument("--suffix-len", type=int, default=100, help="each shared-prefix prompt's own suffix")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second (inf: all at once)")
-    p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    p.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
     p.add_argument("--seed", type=int, default=1, help="seed of the prompts, lengths and arrival times")
     p.add_argument("--unknown-output-len", action="store_true",
                    help="ask for the whole context and hang up after the drawn output length (chat-shaped)")

@@ -50,32 +50,30 @@ def add_engine_args(p: argparse.ArgumentParser):
 
     has_cuda = torch.cuda.is_available()
     p.add_argument("--device", default="cuda" if has_cuda else "cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--load-format", choices=["safetensors", "dummy"], default=None,
-                   help="dummy: random weights in the real shapes (gibberish, for timing); default: dummy "
-                   "for a shipped shape, else safetensors")
-    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+    p.add_argument("--load-format", choices=["safetensors", "dummy"], help="dummy: random weights in the real shapes "
+                   "(gibberish, for timing); default: dummy for a shipped shape, else safetensors")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                    help="default: bfloat16 on GPU, float32 on CPU")
-    p.add_argument("--attention-backend", choices=["torch", "triton"], default=None,
-                   help="default: triton on GPU, torch on CPU")
+    p.add_argument("--attention-backend", choices=["torch", "triton"], help="default: triton on GPU, torch on CPU")
     p.add_argument("--mem-fraction", type=float, default=default.mem_fraction,
                    help="fraction of free memory (after weights) for the KV cache; on CPU at most 1 GiB")
-    p.add_argument("--max-total-tokens", type=int, default=None, help="KV cache size in tokens (overrides --mem-fraction)")
+    p.add_argument("--max-total-tokens", type=int, help="KV cache size in tokens (overrides --mem-fraction)")
     p.add_argument("--max-running-requests", type=int, default=default.max_running_requests,
                    help="requests decoded together at most")
-    p.add_argument("--context-length", type=int, default=None, help="tokens per request; default: the model's")
+    p.add_argument("--context-length", type=int, help="tokens per request; default: the model's")
     p.add_argument("--disable-mla", action="store_true", help="DeepSeek: plain multi-head attention, expanded K/V")
     p.add_argument("--disable-cuda-graph", action="store_true", help="decode without CUDA graphs on GPU")
-    p.add_argument("--cuda-graph-max-bs", type=int, default=None,
+    p.add_argument("--cuda-graph-max-bs", type=int,
                    help="largest decode batch captured as a CUDA graph (default: --max-running-requests)")
     p.add_argument("--disable-radix-cache", action="store_true", help="compute every prompt in full")
     p.add_argument("--disable-overlap", action="store_true",
                    help="book each decode pass's tokens before launching the next")
-    p.add_argument("--chunked-prefill-size", type=int, default=None,
+    p.add_argument("--chunked-prefill-size", type=int,
                    help="most prompt tokens one prefill step computes; longer prompts take several (0 or -1: off; "
                    f"default: {CHUNK_SIZES['cuda']} on GPU, {CHUNK_SIZES['cpu']} on CPU)")
     p.add_argument("--tp-size", type=int, default=default.tp_size,
                    help="tensor parallelism: split the model over this many GPUs")
-    p.add_argument("--threads", "-t", type=int, default=None,
+    p.add_argument("--threads", "-t", type=int,
                    help=f"CPU threads torch computes with (default: {CPU_THREADS}; more pay only on a quiet machine "
                    "with cores to spare)")
 
@@ -98,7 +96,8 @@ def resolve_model(name: str | None) -> Path:
                          f"python -m nano.bench_latency --model {name}, or pass a model folder (weights/README.md)")
     path = Path(name)
     if not path.is_dir():
-        raise UsageError(f"{name} is a file, not a model folder" if path.exists() else f"model folder {name} does not exist")
+        raise UsageError(f"{name} is a file, not a model folder" if path.exists()
+                         else f"model folder {name} does not exist")
     return path
 
 
@@ -154,13 +153,14 @@ def engine_config(args, **overrides):
     if args.cuda_graph_max_bs is not None and not cuda_graph:
         raise UsageError("--cuda-graph-max-bs: CUDA graphs run only on a GPU, with the triton backend, "
                          "without --disable-cuda-graph")
+    # `overrides`: a command's own settings (bench_latency: the whole batch in one prefill)
     config = EngineConfig(**dict(
         device=str(device), dtype=dtype, attention_backend=backend, load_format=args.load_format or "safetensors",
-        mem_fraction=args.mem_fraction, max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running_requests,
-        context_length=args.context_length, use_mla=not args.disable_mla, cuda_graph=cuda_graph,
-        cuda_graph_max_bs=args.cuda_graph_max_bs, radix_cache=not args.disable_radix_cache,
-        chunked_prefill_size=args.chunked_prefill_size, overlap=not args.disable_overlap, tp_size=args.tp_size,
-        threads=args.threads) | overrides)  # a command's own settings (bench_latency: the whole batch in one prefill)
+        mem_fraction=args.mem_fraction, max_total_tokens=args.max_total_tokens,
+        max_running_requests=args.max_running_requests, context_length=args.context_length,
+        use_mla=not args.disable_mla, cuda_graph=cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
+        radix_cache=not args.disable_radix_cache, chunked_prefill_size=args.chunked_prefill_size,
+        overlap=not args.disable_overlap, tp_size=args.tp_size, threads=args.threads) | overrides)
     try:
         config.validate()
     except ValueError as e:  # its messages name a setting as its flag, less the dashes
@@ -184,7 +184,8 @@ def one_line_errors() -> tuple[type[Exception], ...]:
     from nano.memory import NotEnoughMemoryError
     from nano.tokenizer import TokenizerError
 
-    return UsageError, ConfigError, WeightError, TokenizerError, DefaultModelError, GraphCaptureError, NotEnoughMemoryError
+    return (UsageError, ConfigError, WeightError, TokenizerError, DefaultModelError, GraphCaptureError,
+            NotEnoughMemoryError)
 
 
 def cli(build_parser, run, argv=None):

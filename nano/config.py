@@ -65,11 +65,8 @@ class ModelConfig:
         return self.architecture == "DeepseekV2ForCausalLM"
 
     def is_moe_layer(self, layer_id: int) -> bool:
-        return (
-            self.n_routed_experts > 0
-            and layer_id >= self.first_k_dense_replace
-            and layer_id % self.moe_layer_freq == 0
-        )
+        return (self.n_routed_experts > 0 and layer_id >= self.first_k_dense_replace
+                and layer_id % self.moe_layer_freq == 0)
 
 
 def load_config(model_dir: str | Path) -> ModelConfig:
@@ -89,10 +86,8 @@ def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
     archs = raw.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
-        raise ConfigError(
-            f"{source}: unsupported architecture {archs or raw.get('model_type')!r}; "
-            f"nano supports {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+        raise ConfigError(f"{source}: unsupported architecture {archs or raw.get('model_type')!r}; "
+                          f"nano supports {', '.join(SUPPORTED_ARCHITECTURES)}")
 
     def need(key):
         if key not in raw or raw[key] is None:
@@ -152,13 +147,12 @@ def _refuse_unsupported_attention(raw: dict, arch: str, cfg: ModelConfig, source
 def _parse_rope(raw: dict) -> tuple[float, dict | None]:
     """Both dialects -> (rope_theta, normalised scaling dict or None)."""
     params = raw.get("rope_parameters")  # transformers 5.x
-    if params is None:  # transformers 4.x
-        params = dict(raw.get("rope_scaling") or {})
-        params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    if params is None:  # transformers 4.x: rope_theta is at the top level
+        params = raw.get("rope_scaling") or {}
     params = dict(params)
     theta = float(params.pop("rope_theta", raw.get("rope_theta", 10000.0)))
-    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    params.pop("type", None)
+    legacy_type = params.pop("type", None)
+    rope_type = params.pop("rope_type", None) or legacy_type or "default"
     if rope_type == "default":
         return theta, None
     if rope_type not in ("linear", "llama3", "yarn"):
@@ -183,9 +177,7 @@ def _parse_deepseek(raw: dict, cfg: ModelConfig, need) -> None:
     scoring = raw.get("scoring_func", "softmax")
     topk_method = raw.get("topk_method", "greedy")
     if scoring != "softmax" or topk_method != "greedy":
-        raise ConfigError(
-            f"unsupported DeepSeek router (scoring_func={scoring!r}, topk_method={topk_method!r}); "
-            "nano has softmax scoring with greedy top-k (DeepSeek-V2-Lite)"
-        )
+        raise ConfigError(f"unsupported DeepSeek router (scoring_func={scoring!r}, topk_method={topk_method!r}); "
+                          "nano has softmax scoring with greedy top-k (DeepSeek-V2-Lite)")
     # MLA keeps one latent "KV head"; num_kv_heads/head_dim describe the query/key width instead.
     cfg.head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim

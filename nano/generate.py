@@ -54,29 +54,26 @@ def run(args):
     for req, token in engine.stream():
         piece = decoders[req.rid].push(token)
         if len(requests) == 1:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
+            print(piece, end="", flush=True)
             continue
         texts[req.rid].append(piece)
         while next_to_print < len(requests) and requests[next_to_print].finished:
-            done = requests[next_to_print]
-            sys.stdout.write(f"--- prompt {next_to_print + 1} ---\n{''.join(texts[done.rid])}\n")
-            sys.stdout.flush()
+            print(f"--- prompt {next_to_print + 1} ---\n{''.join(texts[requests[next_to_print].rid])}", flush=True)
             next_to_print += 1
     if len(requests) == 1:
-        sys.stdout.write("\n")
+        print()
     print_stats(engine.stats, len(requests))
 
 
 def print_stats(s: dict, num_requests: int):
     # prefill also samples each request's first token; decode makes the rest, one per step and request
     computed = s["prefill_tokens"] - s["cached_tokens"]
+    retractions = f"; {s['retractions']} retraction(s), {s['recomputed_tokens']:,} tokens recomputed"
     print(f"prefill: {s['prefill_tokens']:,} prompt tokens, {s['cached_tokens']:,} from the prefix cache, "
           f"{computed:,} computed -> {num_requests} first token(s) in {s['prefill_s']:.3f} s "
           f"({computed / max(s['prefill_s'], 1e-9):,.1f} tok/s); "
           f"decode: {s['decode_tokens']:,} more tokens in {s['decode_s']:.3f} s "
-          f"({s['decode_tokens'] / max(s['decode_s'], 1e-9):,.1f} tok/s)"
-          + (f"; {s['retractions']} retraction(s), {s['recomputed_tokens']:,} tokens recomputed" if s["retractions"] else ""),
+          f"({s['decode_tokens'] / max(s['decode_s'], 1e-9):,.1f} tok/s)" + (retractions if s["retractions"] else ""),
           file=sys.stderr)
 
 
@@ -119,9 +116,10 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--prompt-file", help="a file with one prompt per line; - reads standard input")
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate per prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0, help="keep the smallest set of tokens whose probability reaches p")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="keep the smallest set of tokens whose probability reaches p")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens; 0 = off")
-    p.add_argument("--seed", type=int, default=None, help="seed for sampling (default: unseeded)")
+    p.add_argument("--seed", type=int, help="seed for sampling (default: unseeded)")
     p.add_argument("--no-chat-template", action="store_true", help="send the raw prompt")
     p.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens")
     add_engine_args(p)

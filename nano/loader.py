@@ -71,7 +71,8 @@ def load_model(cfg: ModelConfig, model_dir, device, dtype: torch.dtype, load_for
 
 def _progress(model: CausalLM, what: str) -> tqdm:
     """A bar over the model's weight bytes, on stderr; shown on a terminal, once loading takes a second."""
-    return tqdm(total=sum(p.nbytes for p in model.parameters()), desc=what, unit="B", unit_scale=True, delay=1, leave=False, disable=None)
+    return tqdm(total=sum(p.nbytes for p in model.parameters()), desc=what, unit="B", unit_scale=True, delay=1,
+                leave=False, disable=None)
 
 
 def _full_shape(target: torch.Tensor, shard) -> list[int]:
@@ -145,9 +146,8 @@ def _load_safetensors(model: CausalLM, model_dir: Path, shard_of):
                         target, shard = param.data[index], shard_of(name)
                         stored, expected = f.get_slice(name), _full_shape(target, shard)
                         if stored.get_shape() != expected:
-                            raise WeightError(
-                                f"{path.name}: tensor {name} has shape {stored.get_shape()}, expected {expected}"
-                            )
+                            raise WeightError(f"{path.name}: tensor {name} has shape {stored.get_shape()}, "
+                                              f"expected {expected}")
                         tensor = stored[_block(shard, expected)]  # reads only this rank's block
                         target.copy_(model.prepare_checkpoint_tensor(name, tensor).to(device))
                         loaded.add(name)
