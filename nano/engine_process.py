@@ -219,13 +219,9 @@ class EngineClient:
         """inbox, outbox: run_engine's; worker: the process (or, in tests, thread) that runs it.
         Waits for the engine's Ready; raises ValueError with its one-line error if it failed."""
         self.inbox, self.outbox, self.worker = inbox, outbox, worker
-        while True:
-            try:
-                ready = outbox.get(timeout=1)
-                break
-            except queue.Empty:
-                if not worker.is_alive():
-                    raise ValueError("the engine process died while starting (its error is above)") from None
+        ready = self._next_message()
+        if ready is None:
+            raise ValueError("the engine process died while starting (its error is above)")
         if isinstance(ready, StartFailed):
             raise ValueError(ready.message)
         self.vocab_size, self.eos_token_ids = ready.vocab_size, ready.eos_token_ids
@@ -246,30 +242,34 @@ class EngineClient:
         self.streams[stream.sid] = stream
         self.inbox.put(AddRequest(stream.sid, stream.prompt_ids, stream.params, stream.stop_ids))
 
-    def abort(self, stream: Stream):
-        self.streams.pop(stream.sid, None)  # its events stop here (the engine sends none for an abort)
-        self.inbox.put(Abort(stream.sid))  # a no-op for a request that is done already
+    def abort(self, *streams: Stream):
+        for stream in streams:
+            self.streams.pop(stream.sid, None)  # its events stop here (the engine sends none for an abort)
+            self.inbox.put(Abort(stream.sid))  # a no-op for a request that is done already
 
     def stop(self):
         self.inbox.put(Shutdown())
         self.reader.join()
         self.worker.join()
 
-    def _read(self):
+    def _next_message(self):
+        """The engine's next message, or None once its process has died."""
         while True:
             try:
-                message = self.outbox.get(timeout=1)
+                return self.outbox.get(timeout=1)
             except queue.Empty:
-                if self.worker.is_alive():
-                    continue
-                # it crashed (a stop sends Shutdown first): fail what is left; submit() refuses from now on
-                error = APIError(500, "the engine process exited; see the server log")
-                self.loop.call_soon_threadsafe(self._deliver, [(sid, error) for sid in list(self.streams)])
-                return
+                if not self.worker.is_alive():
+                    return None
+
+    def _read(self):
+        while (message := self._next_message()) is not None:
             if isinstance(message, Shutdown):
                 return
             self.state = message.state
             self.loop.call_soon_threadsafe(self._deliver, message.events)
+        # it crashed (a stop sends Shutdown first): fail what is left; submit() refuses from now on
+        error = APIError(500, "the engine process exited; see the server log")
+        self.loop.call_soon_threadsafe(self._deliver, [(sid, error) for sid in list(self.streams)])
 
     def _deliver(self, events: list):
         for sid, event in events:

@@ -183,7 +183,7 @@ async def generate(http: HTTPRequest, body, prompts: list[list[int]], chat: bool
                for j in range(body.n)]
     for stream in streams:
         client.submit(stream)
-    abort = partial(_abort_all, client, streams)
+    abort = partial(client.abort, *streams)
     # the first events decide the status: a refusal is a 400, before any response has started
     firsts = await until_disconnected(http, asyncio.gather(*(s.events.get() for s in streams)))
     if firsts is None or any(isinstance(first, APIError) for first in firsts):
@@ -209,11 +209,6 @@ async def generate(http: HTTPRequest, body, prompts: list[list[int]], chat: bool
         return Response(status_code=499)
     return {**answer.head, "usage": answer.usage(sum(map(len, collected))),
             "choices": [answer.choice(i, *map(list, zip(*pieces))) for i, pieces in enumerate(collected)]}
-
-
-def _abort_all(client: EngineClient, streams: list[Stream]):
-    for stream in streams:
-        client.abort(stream)
 
 
 async def _pieces(stream: Stream, event, detokenizer: Detokenizer, client: EngineClient):
@@ -279,7 +274,7 @@ class Answer:
         """Choice `index` of the response, or its part in one event (`first`: the choice's first)."""
         text, prompt = "".join(texts), self.prompts[index // self.body.n]
         if self.echo and first:
-            text = self.decode(prompt) + text
+            text = (self.tokenizer.decode(prompt) if self.tokenizer else "") + text
         if not self.chat:
             content = {"text": text}
         elif self.body.stream:
@@ -315,9 +310,6 @@ class Answer:
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.token_text(token) if self.tokenizer else f"token_id:{token}"  # vLLM's form
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids) if self.tokenizer else ""
 
     def usage(self, n: int) -> dict:
         prompt_tokens = sum(map(len, self.prompts))
@@ -367,7 +359,8 @@ async def error_json(_, e: Exception):
     return JSONResponse(e.body(), status_code=e.status)
 
 
-def build_app(client: EngineClient, tokenizer: Tokenizer | None, model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(client: EngineClient, tokenizer: Tokenizer | None, model_name: str,
+              api_key: str | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app):  # the engine's events need the event loop, which runs from here on
         client.start(asyncio.get_running_loop())
@@ -375,7 +368,8 @@ def build_app(client: EngineClient, tokenizer: Tokenizer | None, model_name: str
         client.stop()
 
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.client, app.state.tokenizer, app.state.model_name, app.state.api_key = client, tokenizer, model_name, api_key
+    app.state.client, app.state.tokenizer = client, tokenizer
+    app.state.model_name, app.state.api_key = model_name, api_key
     app.state.stop_ids = set(client.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
     for kind in (APIError, HTTPException, Exception):
         app.add_exception_handler(kind, error_json)

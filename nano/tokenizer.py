@@ -60,14 +60,10 @@ class Tokenizer:
     def _eos_token_ids(self, model_dir: Path) -> list[int]:
         # Instruct models often stop on more than the tokenizer's EOS (Llama-3.1: <|eot_id|> and
         # <|eom_id|> too); generation_config.json lists them all.
-        ids = []
-        if self.eos_token and (eos_id := self._tokenizer.token_to_id(self.eos_token)) is not None:
-            ids.append(eos_id)
         generation_eos = _read_json(model_dir / "generation_config.json").get("eos_token_id")
-        for eos_id in [generation_eos] if isinstance(generation_eos, int) else generation_eos or []:
-            if eos_id not in ids:
-                ids.append(eos_id)
-        return ids
+        ids = [self._tokenizer.token_to_id(self.eos_token) if self.eos_token else None]
+        ids += [generation_eos] if isinstance(generation_eos, int) else generation_eos or []
+        return [eos_id for eos_id in dict.fromkeys(ids) if eos_id is not None]  # each once, in order
 
     def _compile_chat_template(self, model_dir: Path, config: dict) -> jinja2.Template | None:
         # Newer HF folders keep the template in its own file; older ones in tokenizer_config.json.
@@ -104,15 +100,10 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         """The conversation (role/content dicts), followed by the header that asks the assistant to answer."""
-        return self._chat_template.render(
-            messages=messages,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-            add_generation_prompt=True,
-            # HF passes these as None when unused, and templates test `tools is not none`.
-            tools=None,
-            documents=None,
-        )
+        # HF passes tools and documents as None when unused, and templates test `tools is not none`.
+        return self._chat_template.render(messages=messages, bos_token=self.bos_token or "",
+                                          eos_token=self.eos_token or "", add_generation_prompt=True,
+                                          tools=None, documents=None)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         # The rendered text already holds every special token the model should see.
