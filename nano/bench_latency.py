@@ -143,6 +143,8 @@ def run(args):
     print(f"{args.model}: {engine.cfg.architecture}, {engine.dtype}, {engine.device}{ranks}, CUDA graphs {graphs}, "
           f"attention {type(engine.attn).__name__}")
     peak = describe_bandwidth(args, engine.device) if engine.device.type == "cuda" else None
+    kv_per_token = kv_bytes_per_token(engine.model.cfg, engine.dtype, engine.use_mla)
+    per_rank = f" by each of {engine.tp.size} ranks" if engine.tp else ""
 
     for bs in args.batch_size:
         run_once(engine, bs, args.input_len, args.output_len, seed=0)  # warm-up
@@ -153,10 +155,8 @@ def run(args):
         print(f"Decode.  median latency: {median:.5f} s, median throughput: {bs / median:9.2f} token/s")
         weights = weight_bytes_per_step(engine.model, bs)
         # the KV read by a middle decode step: every request holds about input_len + output_len / 2 tokens
-        kv = bs * (args.input_len + args.output_len // 2) * kv_bytes_per_token(engine.model.cfg, engine.dtype,
-                                                                               engine.use_mla)
+        kv = bs * (args.input_len + args.output_len // 2) * kv_per_token
         achieved = (weights + kv) / median
-        per_rank = f" by each of {engine.tp.size} ranks" if engine.tp else ""
         line = (f"Bytes read per decode step{per_rank}: {weights / 1e9:.2f} GB weights + {kv / 1e9:.3f} GB KV; "
                 f"achieved {achieved / 1e9:.0f} GB/s")
         if peak:
