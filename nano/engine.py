@@ -173,8 +173,9 @@ class Engine:
             parallelize(self.model, self.tp)
         whole = build_model(cfg, self.use_mla, "meta", self.dtype) if self.tp else self.model  # not one rank's part
         n_params = sum(p.numel() for p in whole.parameters())
+        split = f"; split over {config.tp_size} ranks" if self.tp else ""
         self._print(f"loaded {cfg.architecture} ({n_params / 1e9:.2f} B parameters, {self.dtype}) on {self.device} "
-                    f"in {time.perf_counter() - started:.1f} s" + (f"; split over {config.tp_size} ranks" if self.tp else ""))
+                    f"in {time.perf_counter() - started:.1f} s{split}")
 
     def _build_kv_cache(self, shard_cfg):
         config = self.config
@@ -310,9 +311,9 @@ class Engine:
         elif len(reqs) == len(prev.reqs):  # the same requests in the same order
             input_ids = prev.tokens
         else:
-            kept = {r.rid for r in reqs}
-            input_ids = prev.tokens[to_device([i for i, r in enumerate(prev.reqs) if r.rid in kept], torch.int64,
-                                              self.device)]
+            kept = set(reqs)
+            rows = [i for i, r in enumerate(prev.reqs) if r in kept]
+            input_ids = prev.tokens[to_device(rows, torch.int64, self.device)]
         batch = ForwardBatch.decode(input_ids, seq_lens, [r.row for r in reqs], slots, self.device)
         self.req_to_token_pool.req_to_token[batch.req_pool_indices, batch.positions] = slots
         for req in reqs:

@@ -30,19 +30,14 @@ CPU_KV_CACHE_MAX_BYTES = 1 << 30
 class KVPool:
     def __init__(self, cfg: ModelConfig, capacity: int, dtype: torch.dtype, device, use_mla: bool):
         """capacity: the tokens it holds; it has one slot more, the reserved slot 0."""
-        shapes = kv_shapes(cfg, use_mla)
-        (kv_heads, k_dim), (_, v_dim) = shapes
+        (kv_heads, k_dim), (_, v_dim) = kv_shapes(cfg, use_mla)
         self.capacity, self.use_mla = capacity, use_mla
-        num_slots = capacity + 1
-        self.k_buffers = [
-            torch.zeros(num_slots, kv_heads, k_dim, dtype=dtype, device=device) for _ in range(cfg.num_layers)
-        ]
+        num_slots, layers = capacity + 1, range(cfg.num_layers)
+        self.k_buffers = [torch.zeros(num_slots, kv_heads, k_dim, dtype=dtype, device=device) for _ in layers]
         if use_mla:  # the value is the latent c: the first v_dim channels of the cached row
             self.v_buffers = [k[..., :v_dim] for k in self.k_buffers]
         else:
-            self.v_buffers = [
-                torch.zeros(num_slots, kv_heads, v_dim, dtype=dtype, device=device) for _ in range(cfg.num_layers)
-            ]
+            self.v_buffers = [torch.zeros(num_slots, kv_heads, v_dim, dtype=dtype, device=device) for _ in layers]
 
     def store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None):
         """Write new tokens' k [T, Hkv, k_dim] (and v) into slots loc [T]."""
@@ -66,10 +61,9 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, use_mla: bool) -> i
     return cfg.num_layers * per_layer * dtype.itemsize
 
 
-def tokens_for_memory(cfg, dtype, device, use_mla: bool, mem_fraction: float) -> int:
+def tokens_for_memory(cfg, dtype, device: torch.device, use_mla: bool, mem_fraction: float) -> int:
     """How many tokens' K/V (and the reserved slot) fit in `mem_fraction` of the device memory that is free now (on CPU,
     in at most CPU_KV_CACHE_MAX_BYTES)."""
-    device = torch.device(device)
     free = free_bytes(device)
     budget = CPU_KV_CACHE_MAX_BYTES if free is None else int(free * mem_fraction)
     if device.type == "cpu":

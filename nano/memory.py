@@ -8,6 +8,8 @@ it can run with) and compares that with the memory free now: `torch.cuda.mem_get
 the kernel's MemAvailable on the host (free memory plus the page cache it can reclaim).
 """
 
+import contextlib
+
 import torch
 
 
@@ -19,13 +21,10 @@ def free_bytes(device: torch.device) -> int | None:
     """Bytes free on the device now; None where the host does not say (no /proc/meminfo)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # the file counts kB
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # the file counts kB
     return None
 
 

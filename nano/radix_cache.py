@@ -55,9 +55,7 @@ class RadixCache:
 
     def match(self, tokens: list[int]) -> tuple[torch.Tensor, Node]:
         """The slots of the longest cached prefix of `tokens`, and the node where it ends."""
-        path = self._walk(tokens)
-        if not path:
-            return self.root.slots, self.root
+        path = [self.root, *self._walk(tokens)]  # the root's slots are empty
         return torch.cat([node.slots for node in path]), path[-1]
 
     def insert(self, tokens: list[int], slots: torch.Tensor) -> Node:

@@ -135,7 +135,6 @@ class Scheduler:
         at most the chunk budget, and the last request admitted is cut to fit; without, a prompt
         longer than the budget still runs alone. [] means: decode instead."""
         if not self.wants_prefill():
-            self.decode_owed = False
             return []
         budget, chunks = self.prefill_budget, []
         if self.chunked:  # the running requests' own growth may have taken its room: then it waits
@@ -164,7 +163,6 @@ class Scheduler:
             chunks.append((req, extend))
             committed += need
             budget -= extend
-        self.decode_owed = False
         return chunks
 
     def _computed_in(self, chunks: list[tuple[Request, int]], req: Request) -> bool:
@@ -222,9 +220,10 @@ class Scheduler:
     def schedule_decode(self) -> list[Request]:
         """The running requests that get a decode pass: each needs one new slot. While the pool
         cannot give them all one, retract (only with no pass in flight: the engine books it first)."""
+        self.decode_owed = False  # this step pays what a prompt left part-way owed
         self.new_token_ratio = max(MIN_RATIO, self.new_token_ratio - RATIO_DECAY)
         # one whose budget a pass in flight uses up sits this one out
-        reqs = [r for r in self.running if len(r.output_ids) + r.in_flight < r.params.max_new_tokens]
+        reqs = [r for r in self.running if r.in_flight < r.remaining]
         while self.free_room < len(reqs):
             if len(reqs) > 1:
                 victim = min(reqs, key=lambda r: (len(r.output_ids), -len(r.prompt_ids)))
@@ -237,10 +236,6 @@ class Scheduler:
     def retract(self, req: Request):
         """Take an admitted request out to free its room; its tokens stay, its K/V goes to the cache."""
         assert req.in_flight == 0, "book the pass in flight before retracting"
-        if req is self.chunked:
-            self.chunked, self.decode_owed = None, False
-        else:
-            self.running.remove(req)
         self._release(req)
         req.status, req.prefilled = Status.RETRACTED, 0
         self.waiting.appendleft(req)
@@ -255,17 +250,18 @@ class Scheduler:
             return
         if req in self.waiting:
             self.waiting.remove(req)
-        if req in self.running:
-            self.running.remove(req)
-        if self.chunked is req:
-            self.chunked, self.decode_owed = None, False
         if req.row >= 0:
             self._release(req)
         req.status = Status.FINISHED
 
     def _release(self, req: Request):
-        """Give back what an admitted request holds: its K/V into the prefix cache (or its slots to
-        the allocator), its lock on the cached prefix, its row, and the slots of passes in flight."""
+        """Take an admitted request out of the batch and give back what it holds: its K/V into the
+        prefix cache (or its slots to the allocator), its lock on the cached prefix, its row, and the
+        slots of passes in flight."""
+        if req in self.running:
+            self.running.remove(req)
+        if req is self.chunked:
+            self.chunked, self.decode_owed = None, False
         req_to_token = self.req_to_token_pool.req_to_token
         kv_slots = req_to_token[req.row, : req.kv_len].clone()
         if req.in_flight:  # passes in flight write further tokens, which nobody will read

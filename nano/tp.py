@@ -179,7 +179,8 @@ class TensorParallel:
         sizes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in layout]
         packed = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
         dist.broadcast(packed, src=0, group=self.group)
-        tensors = {name: chunk.view(dtype).view(shape) for (name, dtype, shape), chunk in zip(layout, packed.split(sizes))}
+        chunks = packed.split(sizes)
+        tensors = {name: chunk.view(dtype).view(shape) for (name, dtype, shape), chunk in zip(layout, chunks)}
         rows = tensors.pop("req_to_token_rows", None)
         batch = ForwardBatch(**host, **tensors)
         if rows is None:  # decode: each request's new slot
