@@ -144,9 +144,5 @@ class RadixCache:
 
 def _common_length(key: list[int], tokens: list[int], start: int) -> int:
     """How many of key's tokens equal tokens[start:] from the start."""
-    n = 0
-    for a, b in zip(key, tokens[start : start + len(key)]):
-        if a != b:
-            break
-        n += 1
-    return n
+    other = tokens[start : start + len(key)]
+    return next((n for n, (a, b) in enumerate(zip(key, other)) if a != b), len(other))  # where they first differ
