@@ -76,7 +76,8 @@ def weight_bytes_per_step(model, batch_size: int) -> float:
         k, e = cfg.num_experts_per_tok, cfg.n_routed_experts
         untouched = (1 - k / e) ** batch_size
         for moe in (m for m in model.modules() if isinstance(m, MoE)):
-            total -= untouched * (moe.w13.numel() + moe.w2.numel()) * moe.w13.element_size()
+            routed = moe.num_experts / (moe.num_experts + moe.num_shared)  # the stacks' share of routed experts
+            total -= untouched * routed * (moe.w13.numel() + moe.w2.numel()) * moe.w13.element_size()
     return total
 
 

@@ -122,44 +122,60 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_experts, self.top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
+        self.num_shared = cfg.n_shared_experts
         self.norm_topk_prob, self.routed_scaling_factor = cfg.norm_topk_prob, cfg.routed_scaling_factor
         hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size
         self.gate = Linear(hidden, cfg.n_routed_experts, dtype=torch.float32)  # the router, see route()
-        # All experts' weights stacked, so a batch of expert ids can index them on the device.
-        # w13 holds each expert's gate rows then its up rows, like SwiGLU.gate_up_proj.
-        self.w13 = nn.Parameter(torch.empty(cfg.n_routed_experts, 2 * inter, hidden), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(cfg.n_routed_experts, hidden, inter), requires_grad=False)
-        self.shared_experts = SwiGLU(hidden, inter * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        # The shared experts are one SwiGLU of S times an expert's width. A SwiGLU's width splits into
+        # independent parts whose outputs add up, so they are S more experts (E, E+1, ...) that every
+        # token chooses with weight 1: one set of kernels runs both kinds. All experts' weights are
+        # stacked, so a batch of expert ids can index them on the device: w13 holds every expert's
+        # gate rows, then every expert's up rows; w2 every expert's down matrix, side by side. Both
+        # keep the shared MLP's checkpoint tensors whole (rows E*I.. of each half, columns E*I..).
+        experts = cfg.n_routed_experts + cfg.n_shared_experts
+        self.w13 = nn.Parameter(torch.empty(2 * experts * inter, hidden), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(hidden, experts * inter), requires_grad=False)
+
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the stacks: gate_up [2, E + S, I, hidden] (gate, up) and down [E + S, hidden, I]."""
+        hidden, experts = self.w2.shape[0], self.num_experts + self.num_shared
+        return self.w13.view(2, experts, -1, hidden), self.w2.view(hidden, experts, -1).transpose(0, 1)
 
     def expert_layout(self, prefix: str) -> dict[str, tuple[torch.Tensor, tuple]]:
-        """Checkpoint names of each expert's matrices -> their place in w13 / w2."""
-        inter = self.w2.shape[-1]
-        layout = {}
-        for e in range(self.num_experts):
-            layout[f"{prefix}.{e}.gate_proj.weight"] = (self.w13, (e, slice(0, inter)))
-            layout[f"{prefix}.{e}.up_proj.weight"] = (self.w13, (e, slice(inter, 2 * inter)))
-            layout[f"{prefix}.{e}.down_proj.weight"] = (self.w2, (e,))
+        """Checkpoint names of each expert's matrices, and of the shared MLP's -> their place in w13 / w2."""
+        inter = self.w2.shape[1] // (self.num_experts + self.num_shared)
+        # (checkpoint module, its first row in each half of w13 = its first column of w2, its width)
+        parts = [(f"{prefix}.experts.{e}", e * inter, inter) for e in range(self.num_experts)]
+        if self.num_shared:
+            parts.append((f"{prefix}.shared_experts", self.num_experts * inter, self.num_shared * inter))
+        half, layout = self.w13.shape[0] // 2, {}
+        for name, first, width in parts:
+            rows = slice(first, first + width)
+            layout[f"{name}.gate_proj.weight"] = (self.w13, (rows,))
+            layout[f"{name}.up_proj.weight"] = (self.w13, (slice(half + first, half + first + width),))
+            layout[f"{name}.down_proj.weight"] = (self.w2, (slice(None), rows))
         return layout
 
     def route(self, x) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (weights [T, k] float32, expert ids [T, k])."""
+        """-> (weights [T, k + S] float32, expert ids [T, k + S]): the k chosen, then the S shared experts."""
         # In float32, as DeepSeek does: bf16 rounding would flip the choice between close experts.
         # The loader keeps the router's weight in float32, so `.float()` is free; a module cast to
         # another dtype after construction still routes correctly, paying one conversion a step.
         logits = F.linear(x.float(), self.gate.weight.float())  # [T, E]
         # DeepSeek-V2's rule (ops.route_top_k): renormalise the chosen weights *or* scale them, never both.
         renormalize = self.top_k > 1 and self.norm_topk_prob
-        return ops.route_top_k(logits, self.top_k, renormalize, self.routed_scaling_factor)
+        return ops.route_top_k(logits, self.top_k, renormalize, self.routed_scaling_factor, self.num_shared)
 
     def form(self, num_tokens: int, on_cuda: bool) -> str:
         """Which of three forms of the same sum runs, chosen from the number of tokens (a shape,
         never a value), so a CUDA graph can capture it:
-        - "matvec" (small decode batches, on CUDA): a fused kernel (moe_kernels.py) runs each
-          (token, chosen expert) pair as a matrix-vector product, reading that expert's weights in
-          place. Its cost grows with the pairs, about one expert's bytes each, so it pays while
-          there are no more pairs than experts (T k <= E). T is taken as its batch bucket
-          (forward_batch.py), so a batch padded for a graph picks the same form as the same batch
-          run eagerly, and the two give the same tokens;
+        - "matvec" (small decode batches, on CUDA): two fused kernels (moe_kernels.py) run each
+          (token, expert) pair as a matrix-vector product, reading that expert's weights in place,
+          with SiLU-and-mul and the weighted sum over a token's experts inside them. Its cost grows
+          with the pairs, about one expert's bytes each, so it pays while there are no more pairs
+          than experts (T (k + S) <= E + S). T is taken as its batch bucket (forward_batch.py), so
+          a batch padded for a graph picks the same form as the same batch run eagerly, and the two
+          give the same tokens;
         - "fused" (every larger batch on CUDA, decode and prefill): a grouped matmul kernel
           (moe_kernels.py) sorts the pairs by expert on the device and multiplies each chosen
           expert's weights by the rows of its pairs in one launch: only the needed flops, each
@@ -169,41 +185,42 @@ class MoE(nn.Module):
           (a sync, which costs nothing on CPU)."""
         if not on_cuda:
             return "grouped"
-        return "matvec" if batch_bucket(num_tokens) * self.top_k <= self.num_experts else "fused"
+        slots, experts = self.top_k + self.num_shared, self.num_experts + self.num_shared
+        return "matvec" if batch_bucket(num_tokens) * slots <= experts else "fused"
 
     def forward(self, x):
         weights, ids = self.route(x)
-        routed = getattr(self, self.form(x.shape[0], x.is_cuda))(x, weights, ids)  # a method per form
-        return routed if self.shared_experts is None else routed + self.shared_experts(x)
+        return getattr(self, self.form(x.shape[0], x.is_cuda))(x, weights, ids)  # a method per form
 
     def matvec(self, x, weights, ids):
         kernels = ops.kernels("moe_kernels")
-        num_tokens, top_k = ids.shape
-        gate_up = kernels.expert_matvec(x, self.w13, ids)  # [T, k, 2I]
-        h = ops.silu_and_mul(gate_up.view(num_tokens * top_k, -1)).view(num_tokens, top_k, -1)  # [T, k, I]
-        return kernels.expert_matvec(h, self.w2, ids, pair_weights=weights).sum(dim=1)  # [T, k, hidden] -> [T, hidden]
+        gate_up, down = self.expert_weights()
+        h = kernels.gate_up_matvec(x, gate_up, ids)  # [T, slots, I]: silu(gate) * up
+        return kernels.down_matvec(h, down, ids, weights)  # [T, hidden]: the weighted sum over slots
 
     def fused(self, x, weights, ids):
         kernels = ops.kernels("moe_kernels")
-        num_tokens, top_k = ids.shape
-        config = kernels.fused_moe_config(num_tokens, top_k, self.num_experts)
-        pairs = kernels.align_pairs_by_expert(ids, self.num_experts, config["BLOCK_M"])  # (sorted pair ids, block experts)
-        gate_up = kernels.fused_moe_matmul(x, self.w13, *pairs, config, pairs_per_row=top_k)  # [T*k, 2I]
-        out = kernels.fused_moe_matmul(ops.silu_and_mul(gate_up), self.w2, *pairs, config, pair_weights=weights)
-        return out.view(num_tokens, top_k, -1).sum(dim=1)  # [T*k, hidden] -> [T, hidden]: already weighted
+        (num_tokens, slots), (gate_up, down) = ids.shape, self.expert_weights()
+        config = kernels.fused_moe_config(num_tokens, self.top_k, self.num_experts)  # tiled for the routed experts
+        pairs = kernels.align_pairs_by_expert(ids, self.num_experts + self.num_shared, config["BLOCK_M"])
+        h = kernels.fused_moe_matmul(x, gate_up, *pairs, config, pairs_per_row=slots)  # [T*slots, 2I]
+        out = kernels.fused_moe_matmul(ops.silu_and_mul(h), down, *pairs, config, pair_weights=weights)
+        return out.view(num_tokens, slots, -1).sum(dim=1)  # [T*slots, hidden] -> [T, hidden]: already weighted
 
     def grouped(self, x, weights, ids):
+        gate_up, down = self.expert_weights()
         order = ids.flatten().argsort()  # (token, slot) pairs sorted by expert
-        token_of_pair = order // self.top_k  # [T*k]
-        tokens_per_expert = torch.bincount(ids.flatten(), minlength=self.num_experts).tolist()  # host sync
+        token_of_pair = order // ids.shape[1]  # [T*slots]
+        tokens_per_expert = torch.bincount(ids.flatten(), minlength=len(down)).tolist()  # host sync
         pairs_of_expert = x[token_of_pair].split(tokens_per_expert)
-        out = torch.cat([ops.silu_and_mul(xs @ self.w13[e].mT) @ self.w2[e].mT for e, xs in enumerate(pairs_of_expert)])
-        out *= weights.flatten()[order, None].to(x.dtype)  # [T*k, hidden], pairs in expert order
-        # Back to (token, slot) order and sum each token's k slots. Not index_add_: its atomic adds
+        out = torch.cat([(F.silu(xs @ gate_up[0, e].mT) * (xs @ gate_up[1, e].mT)) @ down[e].mT
+                         for e, xs in enumerate(pairs_of_expert)])
+        out *= weights.flatten()[order, None].to(x.dtype)  # [T*slots, hidden], pairs in expert order
+        # Back to (token, slot) order and sum each token's slots. Not index_add_: its atomic adds
         # land in a different order each run, and the next decode step's routing can flip on that.
         unsorted = torch.empty_like(out)
         unsorted[order] = out
-        return unsorted.view(-1, self.top_k, x.shape[-1]).sum(dim=1)
+        return unsorted.view(len(x), -1, x.shape[-1]).sum(dim=1)
 
 
 class DeepseekV2(CausalLM):
@@ -213,7 +230,7 @@ class DeepseekV2(CausalLM):
         layout = super().checkpoint_layout()  # every Linear and RMSNorm, by its module path
         for name, module in self.named_modules():
             if isinstance(module, MoE):
-                layout.update(module.expert_layout(f"model.{name}.experts"))
+                layout.update(module.expert_layout(f"model.{name}"))
         return layout
 
     def prepare_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:

@@ -100,15 +100,16 @@ def _fill_random(model: CausalLM, shard_of, seed: int):
     with _progress(model, "random weights") as bar:
         for name, (param, index) in model.checkpoint_layout().items():
             target, shard = param.data[index], shard_of(name)
-            # a sharded tensor is drawn whole, then its block copied in; an unsharded one in place
-            full = target if shard is None else torch.empty(_full_shape(target, shard), dtype=target.dtype,
-                                                            device=device)
+            # drawn whole and contiguous, then its block copied in (in place when it is all of a
+            # contiguous target): torch draws a strided tensor's values in another order
+            in_place = shard is None and target.is_contiguous()
+            full = target if in_place else torch.empty(_full_shape(target, shard), dtype=target.dtype, device=device)
             gen = torch.Generator(device).manual_seed(seed + zlib.crc32(name.encode()))
             if name.endswith("norm.weight"):
                 full.uniform_(0.9, 1.1, generator=gen)
             else:
                 full.normal_(0, 0.02, generator=gen)
-            if shard is not None:
+            if not in_place:
                 target.copy_(full[_block(shard, full.shape)])
             bar.update(target.nbytes)
 

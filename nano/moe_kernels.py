@@ -1,5 +1,5 @@
-"""The routed experts of a mixture of experts, fused: a mat-vec kernel for small decode batches and
-a grouped matmul for everything larger.
+"""The experts of a mixture of experts, fused: mat-vec kernels for small decode batches and a
+grouped matmul for everything larger.
 
 A MoE layer routes each of T tokens to k of E experts (DeepSeek-V2-Lite: 6 of 64), so its work is
 T*k (token, expert) pairs, each a product `w[e] @ x_row`. Two things stand in the way in plain
@@ -13,54 +13,72 @@ torch:
 A Triton kernel reads the ids itself and points into the stacked weights, so nothing is copied
 and the host never looks.
 
-Small decode batches: `expert_matvec`. A handful of tokens give a handful of pairs, each a
-matrix of a few megabytes times a single vector, two flops for every two bytes of bf16 weight. No
-matrix unit helps there; the time is the time to read the chosen experts' weights, and the goal
-is to read each of them once, in place, at the memory's full bandwidth (about 4 TB/s on an H200).
-The grid is (T*k pairs, N / BLOCK_N). Program (p, n) computes BLOCK_N outputs of pair p: it walks
-along K in BLOCK_K steps, loads a [BLOCK_N, BLOCK_K] tile of its expert's weight rows and the
-matching chunk of the input row, multiplies them element by element and adds into a float32
-tile, which it sums along K once at the end (a GEMV: `tl.dot` wants at least 16 rows of input,
-and decode has one per pair). The pair is the grid's first, fastest-varying axis, so the programs
-running side by side are all the pairs at the same few row blocks: pairs that chose the same
-expert read the same tile at about the same time, and some of the repeats hit in L2. Only some:
-past about as many pairs as experts, the grouped matmul below is cheaper. In the down projection
-each program also multiplies its outputs by the pair's routing weight, so a token's MoE output is
-the plain sum of its k rows: no separate kernels to cast the weights and weigh the rows.
+The experts a token runs are its k routed ones and the S shared ones (deepseek.py): the router
+appends the shared experts to every token's choice with weight 1, so all kernels here see `slots` =
+k + S (expert, weight) pairs per token and no special case. The weights are stacked for that:
+`gate_up` [2, E + S, I, K] (every expert's gate rows, then every expert's up rows) and `down`
+[E + S, N, I] (a strided view: every expert's down matrix side by side). Both are views that
+kernels index with their strides.
 
-Sizing for bf16 (hidden 2048, expert width 1408): 8 bf16 values are one 16-byte
-load, so a warp covers BLOCK_K = 256 columns of a row; BLOCK_N = 32 rows over 4 warps give each
-thread eight such loads (128 bytes) per step, all issued before any is used, and a float32 tile
-of 64 registers. At batch 1 the up/gate product (N = 2816) runs 6 * 88 = 528 programs and the
-down product (N = 2048) 384, a few per multiprocessor, so all of an H200's 132 keep tens of
-kilobytes in flight: what streaming at full bandwidth takes (BENCHMARKS.md has the timings).
+Small decode batches: `gate_up_matvec` and `down_matvec`. A handful of tokens give a handful of
+pairs, each a matrix of a few megabytes times a single vector, two flops for every two bytes of
+bf16 weight. No matrix unit helps there; the time is the time to read the chosen experts' weights,
+and the goal is to read each of them once, in place, at the memory's full bandwidth (about 4 TB/s
+on an H200), in as few launches as possible: at batch 1 a launch costs about what reading a
+megabyte does. So each product does the elementwise work around it in its own epilogue:
+- `gate_up_matvec`, grid (T * slots pairs, I / BLOCK_N): program (p, n) computes BLOCK_N rows of
+  pair p's gate and the same rows of its up projection. It walks along K in BLOCK_K steps, loads a
+  [BLOCK_N, BLOCK_K] tile of each and the matching chunk of the input row, multiplies element by
+  element into two float32 tiles, sums them along K once at the end (a GEMV: `tl.dot` wants at
+  least 16 rows of input, and decode has one per pair) and stores silu(gate) * up: the SiLU-and-mul
+  kernel and the [T, slots, 2I] round trip through memory are gone. The pair is the grid's first,
+  fastest-varying axis, so the programs running side by side are all the pairs at the same few row
+  blocks: pairs that chose the same expert (the shared ones, for every token) read the same tile at
+  about the same time, and the repeats mostly hit in L2.
+- `down_matvec`, grid (T, N / BLOCK_N): program (t, n) computes BLOCK_N outputs of token t for all
+  its slots at once, a [slots, BLOCK_N, BLOCK_K] tile per step, then weighs each slot's rows by its
+  routing weight and sums them: the token's MoE output, shared experts included, in one launch,
+  summed in float32 in a fixed order (atomic adds would land in a different order each run, and the
+  next step's routing can flip on that). Loading every slot's tile in one step keeps as many bytes
+  in flight as the per-pair grid would.
+
+Sizing for bf16 (hidden 2048, expert width 1408, 8 slots): 8 bf16 values are one 16-byte load, so
+a warp covers 256 columns of a row. gate_up: BLOCK_N = 16 rows of gate and of up by BLOCK_K = 256
+over 4 warps give each thread eight such loads per step and two float32 tiles of 32 registers; at
+batch 1 it runs 8 * 88 = 704 programs. down: 8 slots by BLOCK_N = 8 rows by BLOCK_K = 128 is 16
+loads a thread per step; at batch 1, 256 programs. Either way all of an H200's 132 multiprocessors
+keep tens of kilobytes in flight: what streaming at full bandwidth takes (BENCHMARKS.md has the
+timings).
 
 Everything larger (decode batches past E/k tokens, prefill): `fused_moe_matmul`, a grouped matmul
 in the style of vLLM's and SGLang's fused_moe. With several pairs per expert the work is matrix
 multiplication again, expert e's weights times the rows of its pairs, so:
 1. `align_pairs_by_expert` sorts the pair ids by expert, on the device, and lays them out in
    blocks of BLOCK_M: each block holds pairs of one expert, and an expert's last block is padded
-   with a sentinel id (T*k). It also names each block's expert (-1 for blocks left unused).
+   with a sentinel id (T * slots). It also names each block's expert (-1 for blocks left unused).
 2. One launch, grid (blocks, N / BLOCK_N): program (b, n) gathers its block's BLOCK_M input rows
-   (row = pair // k when the input has one row per token, as the up/gate projection's does;
+   (row = pair // slots when the input has one row per token, as the up/gate projection's does;
    row = pair when it has one per pair, as the down projection's), multiplies them by its
    expert's [K, BLOCK_N] weight tile with `tl.dot` (tensor cores), accumulating in float32, and
-   scatters the result to its pairs' rows of out [T*k, N]. The down projection also multiplies
-   each row by the pair's routing weight, so a token's output is the plain sum of its k rows.
+   scatters the result to its pairs' rows of out [T * slots, N]. The down projection also
+   multiplies each row by the pair's routing weight, so a token's output is the plain sum of its
+   rows.
 Experts no pair chose are never read; the others are read once per block of their pairs, and the
 flops are the pairs' own plus the padding's. The layout's size depends on the routing, but it
-has a bound: an expert with pairs pads at most BLOCK_M - 1 rows, and at most min(E, T*k)
+has a bound: an expert with pairs pads at most BLOCK_M - 1 rows, and at most min(E + S, T * slots)
 experts have pairs. Buffers and grid take that bound, and unused blocks exit at once.
 
 Block sizes (`fused_moe_config`): an expert's weights are read once per block of its pairs, and
-padding rows are wasted work, so BLOCK_M follows an expert's average share of the pairs, T*k / E,
-rounded up to a power of two between 16 (the smallest `tl.dot` tile) and 64. For V2-Lite that is
+padding rows are wasted work, so BLOCK_M follows a routed expert's average share of the pairs,
+T*k / E, rounded up to a power of two between 16 (the smallest `tl.dot` tile) and 64. For V2-Lite that is
 16 for every decode batch up to 168 tokens (at 160, 15 pairs an expert): reading weights is all
 that matters there. From 344 tokens on (prefill) blocks have 64 rows: the tensor cores set the pace.
+A shared expert has a pair for every token, so its weights are read once per block of BLOCK_M
+tokens; the blocks that read the same tile run side by side, and the repeats mostly hit in L2.
 BLOCK_N = 128 by BLOCK_K = 64 weight tiles (16 KB in bf16) keep a few tiles in flight per
 program in shared memory, even in float32; a 64-row block takes 8 warps for its larger tile.
 
-Shapes depend only on T, k, N and K, never on the ids, so a CUDA graph can capture both kernels
+Shapes depend only on T, slots, N and K, never on the ids, so a CUDA graph can capture both kernels
 (and the pairs' alignment), at any batch size.
 """
 
@@ -71,63 +89,97 @@ import triton.language as tl
 from nano.forward_batch import batch_bucket
 from nano.triton_ops import dot_precision
 
-MATVEC_BLOCK_N = 32  # expert_matvec's tiles (the module lesson says why)
-MATVEC_BLOCK_K = 256
-MATVEC_NUM_WARPS = 4
+GATE_UP_BLOCK_N, GATE_UP_BLOCK_K = 16, 256  # the mat-vec kernels' tiles (the module lesson says why)
+DOWN_BLOCK_N, DOWN_BLOCK_K = 8, 128
 
 
 @triton.jit
-def _expert_matvec_kernel(x_ptr, w_ptr, expert_ids_ptr, pair_weights_ptr, out_ptr, x_token_stride, x_slot_stride,
-                          N, K, TOP_K: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
-    pair = tl.program_id(0)  # = token * TOP_K + slot
-    token, slot = pair // TOP_K, pair % TOP_K
+def _gate_up_matvec_kernel(x_ptr, w_ptr, expert_ids_ptr, out_ptr, x_stride, half_stride, expert_stride, row_stride,
+                           N, K, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pair = tl.program_id(0)  # = token * SLOTS + slot
     expert = tl.load(expert_ids_ptr + pair).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
     in_rows = rows < N
-    w_tile = w_ptr + expert * N * K + rows[:, None] * K + cols[None, :]  # [BLOCK_N, BLOCK_K] pointers
-    x_chunk = x_ptr + token.to(tl.int64) * x_token_stride + slot * x_slot_stride + cols  # [BLOCK_K]
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    gate_tile = w_ptr + expert * expert_stride + rows[:, None] * row_stride + cols[None, :]  # [BLOCK_N, BLOCK_K]
+    up_tile = gate_tile + half_stride
+    x_chunk = x_ptr + (pair // SLOTS).to(tl.int64) * x_stride + cols  # [BLOCK_K] of the token's row
+    gate_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    up_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         in_k = k0 + cols < K
-        x = tl.load(x_chunk + k0, mask=in_k, other=0.0).to(tl.float32)
-        w = tl.load(w_tile + k0, mask=in_rows[:, None] & in_k[None, :], other=0.0).to(tl.float32)
-        acc += w * x[None, :]
-    out = tl.sum(acc, axis=1)  # [BLOCK_N]
-    if WEIGHTED:
-        out *= tl.load(pair_weights_ptr + pair)
+        x = tl.load(x_chunk + k0, mask=in_k, other=0.0).to(tl.float32)[None, :]
+        mask = in_rows[:, None] & in_k[None, :]
+        gate_acc += tl.load(gate_tile + k0, mask=mask, other=0.0).to(tl.float32) * x
+        up_acc += tl.load(up_tile + k0, mask=mask, other=0.0).to(tl.float32) * x
+    gate, up = tl.sum(gate_acc, axis=1), tl.sum(up_acc, axis=1)  # [BLOCK_N]
+    out = gate * tl.sigmoid(gate) * up  # silu(gate) * up
     tl.store(out_ptr + pair.to(tl.int64) * N + rows, out.to(out_ptr.dtype.element_ty), mask=in_rows)
 
 
-def expert_matvec(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor,
-                  pair_weights: torch.Tensor | None = None) -> torch.Tensor:
-    """out[t, j] = w[expert_ids[t, j]] @ x[t] (x [T, K]: one input row per token, used by all its
-    experts, as in the up/gate projection) or @ x[t, j] (x [T, k, K]: one row per chosen expert,
-    as in the down projection), times pair_weights[t, j] when given. w [E, N, K] contiguous,
-    expert_ids [T, k] integer -> out [T, k, N], in x's dtype, accumulated in float32."""
-    num_tokens, top_k = expert_ids.shape
-    _, n, k_dim = w.shape
-    if x.dim() == 2:
-        x = x[:, None, :].expand(num_tokens, top_k, k_dim)  # stride 0 over the slots: nothing copied
-    assert x.shape == (num_tokens, top_k, k_dim) and x.stride(-1) == 1 and x.dtype == w.dtype
-    assert w.is_contiguous() and expert_ids.is_contiguous()
-    assert pair_weights is None or (pair_weights.is_contiguous() and pair_weights.shape == expert_ids.shape)
-    out = torch.empty((num_tokens, top_k, n), dtype=x.dtype, device=x.device)  # [T, k, N]
-    grid = (num_tokens * top_k, triton.cdiv(n, MATVEC_BLOCK_N))
-    _expert_matvec_kernel[grid](x, w, expert_ids, pair_weights, out, x.stride(0), x.stride(1), n, k_dim,
-                                TOP_K=top_k, WEIGHTED=pair_weights is not None, BLOCK_N=MATVEC_BLOCK_N,
-                                BLOCK_K=MATVEC_BLOCK_K, num_warps=MATVEC_NUM_WARPS)
+def gate_up_matvec(x: torch.Tensor, gate_up: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+    """out[t, j] = silu(gate[e] @ x[t]) * (up[e] @ x[t]) with e = expert_ids[t, j]: x [T, K],
+    gate_up [2, E, I, K] (gate, up; rows contiguous), expert_ids [T, slots] -> out [T, slots, I] in
+    x's dtype, accumulated in float32."""
+    num_tokens, slots = expert_ids.shape
+    _, _, n, k_dim = gate_up.shape
+    assert x.stride(-1) == 1 and gate_up.stride(-1) == 1 and x.dtype == gate_up.dtype and expert_ids.is_contiguous()
+    out = torch.empty((num_tokens, slots, n), dtype=x.dtype, device=x.device)  # [T, slots, I]
+    grid = (num_tokens * slots, triton.cdiv(n, GATE_UP_BLOCK_N))
+    _gate_up_matvec_kernel[grid](x, gate_up, expert_ids, out, x.stride(0), *gate_up.stride()[:3], n, k_dim,
+                                 SLOTS=slots, BLOCK_N=GATE_UP_BLOCK_N, BLOCK_K=GATE_UP_BLOCK_K, num_warps=4)
+    return out
+
+
+@triton.jit
+def _down_matvec_kernel(h_ptr, w_ptr, expert_ids_ptr, pair_weights_ptr, out_ptr, expert_stride, row_stride, N, K,
+                        SLOTS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    slots = tl.arange(0, BLOCK_S)
+    in_slots = slots < SLOTS
+    pairs = token * SLOTS + slots  # [BLOCK_S]
+    experts = tl.load(expert_ids_ptr + pairs, mask=in_slots, other=0).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_K)
+    in_rows = rows < N
+    # [BLOCK_S, BLOCK_N, BLOCK_K] pointers: each slot's expert's tile of the same rows
+    w_tile = w_ptr + experts[:, None, None] * expert_stride + rows[None, :, None] * row_stride + cols[None, None, :]
+    h_chunk = h_ptr + pairs[:, None] * K + cols[None, :]  # [BLOCK_S, BLOCK_K]: each slot's input row
+    acc = tl.zeros([BLOCK_S, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        in_k = k0 + cols < K
+        h = tl.load(h_chunk + k0, mask=in_slots[:, None] & in_k[None, :], other=0.0).to(tl.float32)
+        w_mask = in_slots[:, None, None] & in_rows[None, :, None] & in_k[None, None, :]
+        acc += tl.load(w_tile + k0, mask=w_mask, other=0.0).to(tl.float32) * h[:, None, :]
+    weights = tl.load(pair_weights_ptr + pairs, mask=in_slots, other=0.0)  # [BLOCK_S]
+    out = tl.sum(tl.sum(acc, axis=2) * weights[:, None], axis=0)  # [BLOCK_N]: the weighted sum over slots
+    tl.store(out_ptr + token * N + rows, out.to(out_ptr.dtype.element_ty), mask=in_rows)
+
+
+def down_matvec(h: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor,
+                pair_weights: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum_j pair_weights[t, j] * down[expert_ids[t, j]] @ h[t, j]: h [T, slots, K]
+    contiguous, down [E, N, K] (rows contiguous), expert_ids and pair_weights (float32) [T, slots]
+    -> out [T, N] in h's dtype, accumulated in float32."""
+    num_tokens, slots = expert_ids.shape
+    _, n, k_dim = down.shape
+    assert h.is_contiguous() and h.shape == (num_tokens, slots, k_dim) and h.dtype == down.dtype
+    assert down.stride(-1) == 1 and expert_ids.is_contiguous() and pair_weights.is_contiguous()
+    out = torch.empty((num_tokens, n), dtype=h.dtype, device=h.device)  # [T, N]
+    grid = (num_tokens, triton.cdiv(n, DOWN_BLOCK_N))
+    _down_matvec_kernel[grid](h, down, expert_ids, pair_weights, out, down.stride(0), down.stride(1), n, k_dim,
+                              SLOTS=slots, BLOCK_S=triton.next_power_of_2(slots), BLOCK_N=DOWN_BLOCK_N,
+                              BLOCK_K=DOWN_BLOCK_K, num_warps=4)
     return out
 
 
 def align_pairs_by_expert(expert_ids: torch.Tensor, num_experts: int,
                           block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """expert_ids [T, k] -> (sorted_pair_ids [max_blocks * block_m], block_expert [max_blocks]): the
-    pair ids (token * k + slot) grouped by expert, each expert's run padded with T*k to whole blocks
+    """expert_ids [T, slots] -> (sorted_pair_ids [max_blocks * block_m], block_expert [max_blocks]):
+    the pair ids (token * slots + slot) grouped by expert, each expert's run padded with T * slots to whole blocks
     of block_m, then more padding to the bound; the expert of each block, -1 past the last used one.
-    Plain torch on the device, with no host sync, in shapes that depend only on T and k."""
-    pair_expert = expert_ids.flatten()  # [P], P = T*k pairs
+    Plain torch on the device, with no host sync, in shapes that depend only on T and slots."""
+    pair_expert = expert_ids.flatten()  # [P], P = T * slots pairs
     num_pairs = pair_expert.numel()
     order = pair_expert.argsort(stable=True)  # [P]: pair ids by expert, in pair order within one
     sorted_experts = pair_expert[order]
@@ -155,8 +207,9 @@ def fused_moe_config(num_tokens: int, top_k: int, num_experts: int) -> dict:
 
 @triton.jit
 def _fused_moe_kernel(x_ptr, w_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr, pair_weights_ptr,
-                      num_pairs, N, K, x_row_stride, PAIRS_PER_ROW: tl.constexpr, WEIGHTED: tl.constexpr,
-                      PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      num_pairs, N, K, x_row_stride, half_rows, half_stride, expert_stride, row_stride,
+                      PAIRS_PER_ROW: tl.constexpr, WEIGHTED: tl.constexpr, PRECISION: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert < 0:  # past the used blocks: the grid is sized for the worst routing
@@ -165,9 +218,10 @@ def _fused_moe_kernel(x_ptr, w_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_p
     is_pair = pairs < num_pairs  # the rest is padding
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = the expert's weight rows
     in_cols = cols < N
+    w_rows = (cols // half_rows) * half_stride + (cols % half_rows) * row_stride  # gate rows, then up rows
     ks = tl.arange(0, BLOCK_K)
     x_tile = x_ptr + (pairs // PAIRS_PER_ROW)[:, None] * x_row_stride + ks[None, :]  # [BLOCK_M, BLOCK_K] pointers
-    w_tile = w_ptr + expert * N * K + cols[None, :] * K + ks[:, None]  # [BLOCK_K, BLOCK_N]: w[e, cols, ks]^T
+    w_tile = w_ptr + expert * expert_stride + w_rows[None, :] + ks[:, None]  # [BLOCK_K, BLOCK_N]: w[e, cols, ks]^T
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         in_k = k0 + ks < K
@@ -182,20 +236,22 @@ def _fused_moe_kernel(x_ptr, w_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_p
 
 def fused_moe_matmul(x: torch.Tensor, w: torch.Tensor, sorted_pair_ids: torch.Tensor, block_expert: torch.Tensor,
                      config: dict, pairs_per_row: int = 1, pair_weights: torch.Tensor | None = None) -> torch.Tensor:
-    """out[p] = w[expert of p] @ x[p // pairs_per_row] for every pair p = token * k + slot, times
-    pair_weights.flatten()[p] when given. x [T, K] with pairs_per_row = k (one row per token, the
-    up/gate projection) or [T*k, K] with 1 (one row per pair, the down projection); w [E, N, K]
-    contiguous; the pairs laid out by align_pairs_by_expert with config's BLOCK_M -> out [T*k, N],
-    in x's dtype, accumulated in float32."""
+    """out[p] = w[expert of p] @ x[p // pairs_per_row] for every pair p = token * slots + slot, times
+    pair_weights.flatten()[p] when given. x [T, K] with pairs_per_row = slots (one row per token, the
+    up/gate projection) or [T * slots, K] with 1 (one row per pair, the down projection); w [E, N, K]
+    or [2, E, N/2, K] (gate_up: its output columns are the gate rows, then the up rows), rows
+    contiguous; the pairs laid out by align_pairs_by_expert with config's BLOCK_M -> out
+    [T * slots, N], in x's dtype, accumulated in float32."""
     num_pairs = x.shape[0] * pairs_per_row
-    _, n, k_dim = w.shape
-    assert x.stride(-1) == 1 and x.dtype == w.dtype and w.is_contiguous()
+    halves = w if w.dim() == 4 else w[None]  # [halves, E, rows, K]
+    n, k_dim = halves.shape[0] * halves.shape[2], halves.shape[3]
+    assert x.stride(-1) == 1 and x.dtype == w.dtype and w.stride(-1) == 1
     assert sorted_pair_ids.numel() == block_expert.numel() * config["BLOCK_M"]
     assert pair_weights is None or (pair_weights.is_contiguous() and pair_weights.numel() == num_pairs)
-    out = torch.empty((num_pairs, n), dtype=x.dtype, device=x.device)  # [T*k, N]
+    out = torch.empty((num_pairs, n), dtype=x.dtype, device=x.device)  # [T * slots, N]
     grid = (block_expert.numel(), triton.cdiv(n, config["BLOCK_N"]))
     precision = dot_precision(x.dtype)
     _fused_moe_kernel[grid](x, w, out, sorted_pair_ids, block_expert, pair_weights, num_pairs, n, k_dim, x.stride(0),
-                            PAIRS_PER_ROW=pairs_per_row, WEIGHTED=pair_weights is not None, PRECISION=precision,
-                            **config)
+                            halves.shape[2], *halves.stride()[:3], PAIRS_PER_ROW=pairs_per_row,
+                            WEIGHTED=pair_weights is not None, PRECISION=precision, **config)
     return out

@@ -66,10 +66,14 @@ def apply_rope_(q, k, cos_sin, positions):
 
 
 @_triton_on_cuda
-def route_top_k(logits, top_k, renormalize, routed_scaling):
-    """A MoE router: logits [T, E] float32 -> softmax, the top k (weights [T, k] float32, expert ids
-    [T, k], best first), then DeepSeek-V2's rule: renormalise the chosen weights *or* scale them."""
+def route_top_k(logits, top_k, renormalize, routed_scaling, num_shared=0):
+    """A MoE router: logits [T, E] float32 -> softmax, the top k (weights float32, expert ids,
+    best first), then DeepSeek-V2's rule: renormalise the chosen weights *or* scale them. The
+    `num_shared` shared experts follow as experts E, E+1, ... of weight 1 -> [T, k + num_shared] each."""
     weights, ids = logits.softmax(dim=-1).topk(top_k, dim=-1)
     if renormalize:
-        return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20), ids
-    return weights * routed_scaling, ids
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        weights = weights * routed_scaling
+    shared = torch.arange(logits.shape[1], logits.shape[1] + num_shared, device=ids.device).expand(len(ids), -1)
+    return torch.cat([weights, torch.ones_like(shared, dtype=weights.dtype)], dim=1), torch.cat([ids, shared], dim=1)

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+
 def dot_precision(dtype: torch.dtype) -> str:
     """`tl.dot`'s input_precision for inputs of this dtype. Triton's default rounds float32 inputs
     to TF32 (a 10-bit mantissa) on tensor cores, while torch multiplies float32 in full: "ieee"
@@ -167,8 +168,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, routed_scaling,
-                  TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, routed_scaling, TOP_K: tl.constexpr,
+                  NUM_SHARED: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
     logits = tl.load(logits_ptr + token * num_experts + experts, mask=experts < num_experts, other=float("-inf"))
@@ -187,19 +188,25 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, routed_scaling,
         weights = weights / (tl.sum(weights, 0) + 1e-20)
     else:
         weights = weights * routed_scaling
-    tl.store(weights_ptr + token * TOP_K + slots, weights, mask=slots < TOP_K)
-    tl.store(ids_ptr + token * TOP_K + slots, ids, mask=slots < TOP_K)
+    is_shared = (slots >= TOP_K) & (slots < TOP_K + NUM_SHARED)  # experts E, E+1, ... of weight 1
+    weights = tl.where(is_shared, 1.0, weights)
+    ids = tl.where(is_shared, num_experts + slots - TOP_K, ids)
+    row = token * (TOP_K + NUM_SHARED) + slots
+    tl.store(weights_ptr + row, weights, mask=slots < TOP_K + NUM_SHARED)
+    tl.store(ids_ptr + row, ids, mask=slots < TOP_K + NUM_SHARED)
 
 
-def route_top_k(logits: torch.Tensor, top_k: int, renormalize: bool, routed_scaling: float):
-    """A MoE router's softmax, top-k and weight rule in one launch (torch takes about five: softmax,
-    a sort and a gather for topk, the rescale): logits [T, E] float32 -> (weights [T, k] float32,
-    expert ids [T, k] int64), best first. See ops.route_top_k for the rule."""
+def route_top_k(logits: torch.Tensor, top_k: int, renormalize: bool, routed_scaling: float, num_shared: int = 0):
+    """A MoE router's softmax, top-k, weight rule and shared experts in one launch (torch takes
+    about seven: softmax, a sort and a gather for topk, the rescale, the two appends): logits [T, E]
+    float32 -> (weights [T, k + num_shared] float32, expert ids [T, k + num_shared] int64), best
+    first, then the shared experts. See ops.route_top_k for the rule."""
     num_tokens, num_experts = logits.shape
     assert logits.dtype == torch.float32 and logits.is_contiguous()
-    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=logits.device)
-    ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=logits.device)
-    _route_kernel[(num_tokens,)](logits, weights, ids, num_experts, routed_scaling, TOP_K=top_k,
+    slots = top_k + num_shared
+    weights = torch.empty((num_tokens, slots), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((num_tokens, slots), dtype=torch.int64, device=logits.device)
+    _route_kernel[(num_tokens,)](logits, weights, ids, num_experts, routed_scaling, TOP_K=top_k, NUM_SHARED=num_shared,
                                  RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
-                                 BLOCK_K=triton.next_power_of_2(top_k), num_warps=1)
+                                 BLOCK_K=triton.next_power_of_2(slots), num_warps=1)
     return weights, ids

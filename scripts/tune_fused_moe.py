@@ -1,10 +1,13 @@
-"""Time fused_moe_matmul's tile sizes on this GPU, for DeepSeek-V2-Lite's experts, at the token
-counts a MoE layer sees (decode batches and prefill), and print the fastest per count beside the
-one nano uses now. Usage: python scripts/tune_fused_moe.py [TOKENS ...]
+"""Time the MoE kernels' tile sizes on this GPU, for DeepSeek-V2-Lite's experts, at the token counts
+a MoE layer sees (decode batches and prefill), and print the fastest beside the ones nano uses now.
+Usage: python scripts/tune_fused_moe.py [--sweep] [TOKENS ...] (without --sweep: only nano's tiles)
 
-Each case is one layer's routed experts: the up/gate product (N = 2 * 1408, K = 2048) and the down
-product (N = 2048, K = 1408), with random routing (6 of 64 experts per token). The bandwidth column
-is the bytes of the experts the routing touched, read once, over the time of both products.
+Each case is one layer's experts: 6 of 64 routed experts per token, at random, plus the 2 shared
+ones every token uses (moe_kernels.py), each of width 1408 on hidden 2048. Up to 8 tokens the
+mat-vec form runs (gate_up_matvec, then down_matvec); from 16 the grouped matmul (the up/gate
+product, N = 2 * 1408, K = 2048, and the down product, N = 2048, K = 1408, with the pairs'
+alignment). The bandwidth column is the bytes of the experts the routing touched, read once, over
+the time of both products.
 """
 
 import itertools
@@ -15,16 +18,24 @@ import triton
 from triton.testing import do_bench_cudagraph
 
 sys.path.insert(0, ".")
-from nano.moe_kernels import align_pairs_by_expert, expert_matvec, fused_moe_config, fused_moe_matmul  # noqa: E402
+from nano import moe_kernels  # noqa: E402
+from nano.moe_kernels import align_pairs_by_expert, fused_moe_config, fused_moe_matmul  # noqa: E402
 
-E, TOP_K, HIDDEN, INTER = 64, 6, 2048, 1408
-counts = [int(a) for a in sys.argv[1:]] or [4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 256, 1024, 8192]
+E, SHARED, TOP_K, HIDDEN, INTER = 64, 2, 6, 2048, 1408
+SLOTS = TOP_K + SHARED
+sweep = "--sweep" in sys.argv
+counts = [int(a) for a in sys.argv[1:] if a != "--sweep"] or [1, 2, 4, 8, 16, 32, 64, 128, 160, 256, 1024, 8192]
 torch.manual_seed(0)
-w13 = torch.randn(E, 2 * INTER, HIDDEN, device="cuda", dtype=torch.bfloat16) / 50
-w2 = torch.randn(E, HIDDEN, INTER, device="cuda", dtype=torch.bfloat16) / 50
-candidates = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
-              for m, n, k, w, s in itertools.product([16, 32, 64], [64, 128], [64, 128, 256], [4, 8], [3, 4])
-              if not (m == 64 and k == 256)]
+gate_up = (torch.randn(2 * (E + SHARED) * INTER, HIDDEN, device="cuda", dtype=torch.bfloat16) / 50).view(
+    2, E + SHARED, INTER, HIDDEN)
+down = (torch.randn(HIDDEN, (E + SHARED) * INTER, device="cuda", dtype=torch.bfloat16) / 50).view(
+    HIDDEN, E + SHARED, INTER).transpose(0, 1)
+fused_candidates = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
+                    for m, n, k, w, s in itertools.product([16, 32, 64], [64, 128], [64, 128, 256], [4, 8], [3, 4])
+                    if not (m == 64 and k == 256)]
+matvec_candidates = [dict(GATE_UP_BLOCK_N=gn, GATE_UP_BLOCK_K=gk, DOWN_BLOCK_N=dn, DOWN_BLOCK_K=dk)
+                     for (gn, gk), (dn, dk) in itertools.product([(8, 256), (16, 256), (32, 256), (16, 128), (16, 512)],
+                                                                 [(4, 128), (8, 128), (16, 128), (8, 64), (8, 256)])]
 
 
 def graph_time(run) -> float:
@@ -33,44 +44,57 @@ def graph_time(run) -> float:
     return do_bench_cudagraph(run, rep=20)
 
 
-def layer_time(x, h, ids, weights, config) -> float:
-    """Milliseconds of both products (and the pairs' alignment) for one layer."""
+def fused_time(x, h, ids, weights, config) -> float:
+    """Milliseconds of both grouped products (and the pairs' alignment) for one layer."""
     def run():
-        pairs = align_pairs_by_expert(ids, E, config["BLOCK_M"])
-        fused_moe_matmul(x, w13, *pairs, config, pairs_per_row=TOP_K)
-        fused_moe_matmul(h, w2, *pairs, config, pair_weights=weights)
+        pairs = align_pairs_by_expert(ids, E + SHARED, config["BLOCK_M"])
+        fused_moe_matmul(x, gate_up, *pairs, config, pairs_per_row=SLOTS)
+        fused_moe_matmul(h, down, *pairs, config, pair_weights=weights)
     return graph_time(run)
 
 
-def matvec_time(x, h, ids) -> float:
-    """Milliseconds of the mat-vec form's two products for one layer."""
+def matvec_time(x, ids, weights, tiles) -> float:
+    """Milliseconds of the mat-vec form's two kernels for one layer, with these tile sizes."""
+    for name, value in tiles.items():
+        setattr(moe_kernels, name, value)
+
     def run():
-        expert_matvec(x, w13, ids)
-        expert_matvec(h.view(*ids.shape, INTER), w2, ids)
+        moe_kernels.down_matvec(moe_kernels.gate_up_matvec(x, gate_up, ids), down, ids, weights)
     return graph_time(run)
 
 
-print(f"{torch.cuda.get_device_name()}; {len(candidates)} candidate tile sizes")
-for tokens in counts:
-    x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
-    h = torch.randn(tokens * TOP_K, INTER, device="cuda", dtype=torch.bfloat16)  # the down product's input
-    ids = torch.rand(tokens, E, device="cuda").topk(TOP_K, dim=-1).indices
-    weights = torch.rand(tokens, TOP_K, device="cuda")
-    touched = ids.unique().numel()
-    gigabytes = touched * (w13[0].numel() + w2[0].numel()) * 2 / 1e9
-    current = fused_moe_config(tokens, TOP_K, E)
-    results = []
-    for config in candidates:
-        try:
-            results.append((layer_time(x, h, ids, weights, config), config))
-        except (triton.runtime.errors.OutOfResources, RuntimeError):
-            continue  # the tiles do not fit this GPU's shared memory or registers
-    results.sort(key=lambda r: r[0])
-    now = layer_time(x, h, ids, weights, current)
-    print(f"T={tokens:5d}: now {now * 1e3:7.1f} us ({gigabytes / now:5.2f} TB/s) {current}")
-    if tokens <= 16:
-        mv = matvec_time(x, h, ids)
-        print(f"       matvec {mv * 1e3:7.1f} us ({gigabytes / mv:5.2f} TB/s)")
-    for ms, config in results[:3]:
+def report(tokens, gigabytes, now, now_tiles, results):
+    print(f"T={tokens:5d}: now {now * 1e3:7.1f} us ({gigabytes / now:5.2f} TB/s) {now_tiles}")
+    for ms, config in sorted(results, key=lambda r: r[0])[:3]:
         print(f"         best {ms * 1e3:7.1f} us ({gigabytes / ms:5.2f} TB/s) {config}")
     sys.stdout.flush()
+
+
+def timed(measure, candidates) -> list:
+    results = []
+    for config in candidates if sweep else []:
+        try:
+            results.append((measure(config), config))
+        except (triton.runtime.errors.OutOfResources, RuntimeError):
+            continue  # the tiles do not fit this GPU's shared memory or registers
+    return results
+
+
+print(f"{torch.cuda.get_device_name()}; {len(matvec_candidates)} mat-vec and {len(fused_candidates)} grouped tilings")
+matvec_now = {name: getattr(moe_kernels, name) for name in matvec_candidates[0]}
+for tokens in counts:
+    x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    routed = torch.rand(tokens, E, device="cuda").topk(TOP_K, dim=-1).indices
+    ids = torch.cat([routed, torch.arange(E, E + SHARED, device="cuda").expand(tokens, -1)], dim=1)
+    weights = torch.rand(tokens, SLOTS, device="cuda")
+    gigabytes = ids.unique().numel() * 3 * INTER * HIDDEN * 2 / 1e9
+    if tokens <= 8:
+        now = matvec_time(x, ids, weights, matvec_now)
+        report(tokens, gigabytes, now, matvec_now, timed(lambda t: matvec_time(x, ids, weights, t), matvec_candidates))
+        for name, value in matvec_now.items():  # nano's tiles back
+            setattr(moe_kernels, name, value)
+    else:
+        h = torch.randn(tokens * SLOTS, INTER, device="cuda", dtype=torch.bfloat16)  # the down product's input
+        current = fused_moe_config(tokens, TOP_K, E)
+        now = fused_time(x, h, ids, weights, current)
+        report(tokens, gigabytes, now, current, timed(lambda c: fused_time(x, h, ids, weights, c), fused_candidates))

@@ -76,15 +76,17 @@ def test_moe_forms_match_hf(num_tokens):
     for p in hf_moe.parameters():
         torch.nn.init.normal_(p, std=0.2)
     moe = deepseek.MoE(parse_config(hf_cfg.to_dict() | {"architectures": ["DeepseekV2ForCausalLM"]}))
-    shared = hf_moe.shared_experts
+    shared, experts = hf_moe.shared_experts, hf_cfg.n_routed_experts
+    gate_up, down = moe.expert_weights()  # views of the stacks: the routed experts, then the shared ones
     with torch.no_grad():
         moe.gate.weight.copy_(hf_moe.gate.weight)
-        moe.w13.copy_(hf_moe.experts.gate_up_proj)  # HF stacks its experts the same way
-        moe.w2.copy_(hf_moe.experts.down_proj)
-        moe.shared_experts.gate_up_proj.weight.copy_(torch.cat([shared.gate_proj.weight, shared.up_proj.weight]))
-        moe.shared_experts.down_proj.weight.copy_(shared.down_proj.weight)
+        gate_up[:, :experts].copy_(hf_moe.experts.gate_up_proj.unflatten(1, (2, -1)).transpose(0, 1))
+        down[:experts].copy_(hf_moe.experts.down_proj)
+        gate_up[0, experts:].copy_(shared.gate_proj.weight.view(gate_up[0, experts:].shape))
+        gate_up[1, experts:].copy_(shared.up_proj.weight.view(gate_up[1, experts:].shape))
+        down[experts:].copy_(shared.down_proj.weight.unflatten(1, (-1, down.shape[2])).transpose(0, 1))
         x = torch.randn(num_tokens, DEEPSEEK_TINY["hidden_size"])
-        expected = hf_moe(x[None])[0] - shared(x)
+        expected = hf_moe(x[None])[0]
         weights, ids = moe.route(x)
         forms = [moe.grouped]
         # matvec and fused are Triton kernels: on these CPU tensors they run only in Triton's
@@ -93,7 +95,7 @@ def test_moe_forms_match_hf(num_tokens):
             forms += [moe.matvec, moe.fused] if num_tokens < 300 else [moe.fused]
         for form in forms:
             torch.testing.assert_close(form(x, weights, ids), expected, atol=1e-5, rtol=1e-5, msg=form.__name__)
-        torch.testing.assert_close(moe(x), expected + shared(x), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(moe(x), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -1,10 +1,12 @@
-"""The kernels of moe_kernels.py against torch: expert_matvec, align_pairs_by_expert and
-fused_moe_matmul; and the MoE's kernel forms against its torch form, eagerly and in a CUDA graph.
+"""The kernels of moe_kernels.py against torch: gate_up_matvec, down_matvec, align_pairs_by_expert
+and fused_moe_matmul; and the MoE's kernel forms against its torch form, eagerly and in a CUDA graph.
 
-Inputs are random (never zeros), fresh outputs come filled with NaN, and the expert ids repeat
-across tokens (more pairs than experts), as a decode batch's do. Without a GPU the kernels run in
-Triton's interpreter at small, odd sizes (rows and columns not multiples of the blocks) in
-float32 and float16; the GPU tests run at DeepSeek-V2-Lite's sizes in bfloat16.
+Inputs are random (never zeros), fresh outputs come filled with NaN, the weights are strided views
+of stacks laid out as the MoE's are (expert_weights), and the expert ids repeat across tokens (more
+pairs than experts), as a decode batch's do, with the last expert of every token a shared one.
+Without a GPU the kernels run in Triton's interpreter at small, odd sizes (rows and columns not
+multiples of the blocks) in float32 and float16; the GPU tests run at DeepSeek-V2-Lite's sizes in
+bfloat16.
 """
 
 import pytest
@@ -12,10 +14,16 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from nano.cli import SHIPPED_CONFIGS
 from nano.config import load_config
 from nano.deepseek import MoE
-from nano.cli import SHIPPED_CONFIGS
-from nano.moe_kernels import align_pairs_by_expert, expert_matvec, fused_moe_config, fused_moe_matmul
+from nano.moe_kernels import (
+    align_pairs_by_expert,
+    down_matvec,
+    fused_moe_config,
+    fused_moe_matmul,
+    gate_up_matvec,
+)
 from tests.helpers import DEVICE, DTYPES, assert_close, gpu, nan_allocations, randn
 
 
@@ -29,57 +37,50 @@ def random_expert_ids(num_tokens: int, top_k: int, num_experts: int,
     return scores.topk(top_k, dim=-1).indices  # [T, k]
 
 
-def reference_expert_products(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
-                              pair_weights: torch.Tensor | None = None) -> torch.Tensor:
-    """out[t, j] = w[ids[t, j]] @ x[t] (x [T, K]) or @ x[t, j] (x [T, k, K]), times pair_weights[t, j]
-    when given: in float32, one expert at a time -> [T, k, N] in x's dtype."""
-    rows = x.float() if x.dim() == 3 else x.float()[:, None, :].expand(-1, ids.shape[1], -1)  # [T, k, K]
-    out = torch.zeros(*ids.shape, w.shape[1], device=x.device)  # [T, k, N]
-    for e in range(w.shape[0]):
-        chosen = ids == e  # [T, k]
-        out[chosen] = rows[chosen] @ w[e].float().T
-    if pair_weights is not None:
-        out *= pair_weights[..., None]
-    return out.to(x.dtype)
+def random_stacks(num_experts: int, inter: int, hidden: int, dtype: torch.dtype):
+    """gate_up [2, E, I, hidden] and down [E, hidden, I], strided views of stacks as MoE's are."""
+    w13 = randn(2 * num_experts * inter, hidden, dtype=dtype) * hidden**-0.5  # outputs of about unit size
+    w2 = randn(hidden, num_experts * inter, dtype=dtype) * inter**-0.5
+    return w13.view(2, num_experts, inter, hidden), w2.view(hidden, num_experts, inter).transpose(0, 1)
 
 
-def fused_expert_products(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
-                          pair_weights: torch.Tensor | None) -> torch.Tensor:
-    """The same products through align_pairs_by_expert and fused_moe_matmul -> [T, k, N]."""
-    num_tokens, top_k = ids.shape
-    config = fused_moe_config(num_tokens, top_k, w.shape[0])
-    pairs = align_pairs_by_expert(ids, w.shape[0], config["BLOCK_M"])
-    per_pair = x.dim() == 3
+def random_routing(num_tokens: int, slots: int, num_experts: int):
+    """(ids [T, slots], weights [T, slots] float32): slots - 1 routed, then the last expert for all."""
+    ids = random_expert_ids(num_tokens, slots - 1, num_experts - 1)
+    ids = torch.cat([ids, ids.new_full((num_tokens, 1), num_experts - 1)], dim=1)
+    return ids, torch.rand(num_tokens, slots, device=DEVICE) + 0.5
+
+
+def reference_gate_up(x, gate_up, ids):
+    """[T, slots, I]: silu(gate[e] @ x[t]) * (up[e] @ x[t]) pair by pair, in float32, rounded once."""
+    gate = torch.stack([gate_up[0, e].float() @ x[t].float() for t, e in enumerate(ids.tolist()) for e in e])
+    up = torch.stack([gate_up[1, e].float() @ x[t].float() for t, e in enumerate(ids.tolist()) for e in e])
+    return (F.silu(gate) * up).view(*ids.shape, -1).to(x.dtype)
+
+
+def reference_down(h, down, ids, weights):
+    """[T, hidden]: sum_j weights[t, j] * down[ids[t, j]] @ h[t, j], in float32, rounded once."""
+    rows = [sum(w * (down[e].float() @ h[t, j].float()) for j, (e, w) in enumerate(zip(ids[t].tolist(), weights[t])))
+            for t in range(len(ids))]
+    return torch.stack(rows).to(h.dtype)
+
+
+def check_matvecs(num_tokens: int, slots: int, num_experts: int, inter: int, hidden: int, dtype: torch.dtype):
+    gate_up, down = random_stacks(num_experts, inter, hidden, dtype)
+    ids, weights = random_routing(num_tokens, slots, num_experts)
+    x = randn(num_tokens, hidden + 8, dtype=dtype)[:, :hidden]  # a column slice of a wider tensor
     with nan_allocations():
-        out = fused_moe_matmul(x.flatten(0, 1) if per_pair else x, w, *pairs, config,
-                               pairs_per_row=1 if per_pair else top_k, pair_weights=pair_weights)
-    return out.view(num_tokens, top_k, -1)
-
-
-def check_expert_products(kernel: str, num_tokens: int, top_k: int, num_experts: int, n: int, k: int,
-                          dtype: torch.dtype, input_per_expert: bool):
-    w = randn(num_experts, n, k, dtype=dtype) * k**-0.5  # outputs of about unit size
-    ids = random_expert_ids(num_tokens, top_k, num_experts)
-    pair_weights = None
-    if input_per_expert:  # the down projection's input: one row per chosen expert
-        x = randn(num_tokens, top_k, k, dtype=dtype)
-        pair_weights = torch.rand(num_tokens, top_k, device=DEVICE) + 0.5  # which also applies the routing weights
-    else:  # the up/gate projection's: one row per token, here a column slice of a wider tensor
-        x = randn(num_tokens, k + 8, dtype=dtype)[:, :k]
-    if kernel == "matvec":
-        with nan_allocations():
-            out = expert_matvec(x, w, ids, pair_weights)
-    else:
-        out = fused_expert_products(x, w, ids, pair_weights)
-    assert_close(out, reference_expert_products(x, w, ids, pair_weights))
+        h = gate_up_matvec(x, gate_up, ids)
+    assert_close(h, reference_gate_up(x, gate_up, ids))
+    with nan_allocations():
+        out = down_matvec(h, down, ids, weights)
+    assert_close(out, reference_down(h, down, ids, weights))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("input_per_expert", [False, True], ids=["shared-input", "input-per-expert"])
-@pytest.mark.parametrize("n, k", [(37, 600), (16, 100)])  # K past one block and less than one
-def test_expert_matvec(n, k, input_per_expert, dtype):
-    check_expert_products("matvec", num_tokens=4, top_k=3, num_experts=5, n=n, k=k, dtype=dtype,
-                          input_per_expert=input_per_expert)
+@pytest.mark.parametrize("inter, hidden", [(37, 600), (16, 100)])  # K past one block and less than one
+def test_matvecs(inter, hidden, dtype):
+    check_matvecs(num_tokens=4, slots=3, num_experts=5, inter=inter, hidden=hidden, dtype=dtype)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 5, 33, 200])
@@ -105,57 +106,72 @@ def test_align_pairs_by_expert(num_tokens, block_m):
     assert block_expert.tolist() == block_experts
 
 
+def check_fused(num_tokens: int, slots: int, num_experts: int, inter: int, hidden: int, dtype: torch.dtype):
+    """Both products of fused_moe_matmul against pair-by-pair float32 ones: gate_up (one input row
+    per token, gate rows then up rows out) and down (one row per pair, weighted)."""
+    gate_up, down = random_stacks(num_experts, inter, hidden, dtype)
+    ids, weights = random_routing(num_tokens, slots, num_experts)
+    config = fused_moe_config(num_tokens, slots - 1, num_experts - 1)
+    pairs = align_pairs_by_expert(ids, num_experts, config["BLOCK_M"])
+    x = randn(num_tokens, hidden + 8, dtype=dtype)[:, :hidden]
+    h = randn(num_tokens * slots, inter, dtype=dtype)
+    with nan_allocations():
+        out_up = fused_moe_matmul(x, gate_up, *pairs, config, pairs_per_row=slots)
+        out_down = fused_moe_matmul(h, down, *pairs, config, pair_weights=weights)
+    experts, tokens = ids.flatten().tolist(), [p // slots for p in range(ids.numel())]
+    ref_up = torch.stack([gate_up[:, e].flatten(0, 1).float() @ x[t].float() for e, t in zip(experts, tokens)])
+    ref_down = torch.stack([down[e].float() @ row.float() for e, row in zip(experts, h)]) * weights.view(-1, 1)
+    assert_close(out_up, ref_up.to(dtype))
+    assert_close(out_down, ref_down.to(dtype))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("input_per_expert", [False, True], ids=["up-gate", "down-weighted"])
 @pytest.mark.parametrize("num_tokens", [1, 5, 33, 48, 100])  # blocks of 16, 16, 16, 32 and 64 rows
-def test_fused_moe_matmul(num_tokens, input_per_expert, dtype):
-    hidden, inter = 64, 48
-    n, k = (hidden, inter) if input_per_expert else (2 * inter, hidden)
-    check_expert_products("fused", num_tokens, top_k=3, num_experts=8, n=n, k=k, dtype=dtype,
-                          input_per_expert=input_per_expert)
+def test_fused_moe_matmul(num_tokens, dtype):
+    check_fused(num_tokens, slots=4, num_experts=9, inter=40, hidden=64, dtype=dtype)  # tiles cross gate/up
 
 
 # ---------------------------------------------------------------- GPU, DeepSeek-V2-Lite sizes, bfloat16
 
 V2_LITE = load_config(SHIPPED_CONFIGS / "deepseek-v2-lite")
+V2_LITE_SLOTS = V2_LITE.num_experts_per_tok + V2_LITE.n_shared_experts
+V2_LITE_EXPERTS = V2_LITE.n_routed_experts + V2_LITE.n_shared_experts
 
 
 @gpu
 @pytest.mark.parametrize("num_tokens", [1, 4, 16])
-def test_gpu_expert_matvec(num_tokens):
-    experts, top_k = V2_LITE.n_routed_experts, V2_LITE.num_experts_per_tok
-    hidden, inter = V2_LITE.hidden_size, V2_LITE.moe_intermediate_size
-    check_expert_products("matvec", num_tokens, top_k, experts, 2 * inter, hidden, torch.bfloat16, False)
-    check_expert_products("matvec", num_tokens, top_k, experts, hidden, inter, torch.bfloat16, True)
+def test_gpu_matvecs(num_tokens):
+    check_matvecs(num_tokens, V2_LITE_SLOTS, V2_LITE_EXPERTS, V2_LITE.moe_intermediate_size, V2_LITE.hidden_size,
+                  torch.bfloat16)
 
 
 @gpu
 @pytest.mark.parametrize("num_tokens", [16, 64, 160, 512])
 def test_gpu_fused_moe_matmul(num_tokens):
-    experts, top_k = V2_LITE.n_routed_experts, V2_LITE.num_experts_per_tok
-    hidden, inter = V2_LITE.hidden_size, V2_LITE.moe_intermediate_size
-    check_expert_products("fused", num_tokens, top_k, experts, 2 * inter, hidden, torch.bfloat16, False)
-    check_expert_products("fused", num_tokens, top_k, experts, hidden, inter, torch.bfloat16, True)
+    check_fused(num_tokens, V2_LITE_SLOTS, V2_LITE_EXPERTS, V2_LITE.moe_intermediate_size, V2_LITE.hidden_size,
+                torch.bfloat16)
 
 
 def v2_lite_moe() -> MoE:
     torch.manual_seed(0)
     with torch.device(DEVICE):
         moe = MoE(V2_LITE).to(torch.bfloat16)
-    for p in moe.parameters():  # weights scaled so each projection's outputs are of about unit size
-        torch.nn.init.normal_(p, std=p.shape[-1] ** -0.5)
+    # weights scaled so each projection's outputs are of about unit size
+    for weight, fan_in in [(moe.gate.weight, V2_LITE.hidden_size), (moe.w13, V2_LITE.hidden_size),
+                           (moe.w2, V2_LITE.moe_intermediate_size)]:
+        torch.nn.init.normal_(weight, std=fan_in**-0.5)
     return moe
 
 
 @gpu
 @pytest.mark.parametrize("num_tokens, form", [(1, "matvec"), (8, "matvec"), (9, "fused"), (160, "fused"),
-                                              (600, "fused")])  # 8: the largest bucket with T k <= E
+                                              (600, "fused")])  # 8: the largest bucket with T (k + S) <= E + S
 def test_gpu_moe_kernel_forms_match_grouped(num_tokens, form):
     moe = v2_lite_moe()
     assert moe.form(num_tokens, on_cuda=True) == form
     x = randn(num_tokens, V2_LITE.hidden_size, dtype=torch.bfloat16)
     weights, ids = moe.route(x)
-    assert_close(moe(x), moe.grouped(x, weights, ids) + moe.shared_experts(x))  # moe(x) runs `form`
+    assert_close(moe(x), moe.grouped(x, weights, ids))  # moe(x) runs `form`
 
 
 @gpu
@@ -190,9 +206,10 @@ def test_gpu_fused_against_every_expert_on_every_token(num_tokens):
     weights, ids = moe.route(x)
 
     def every_expert():
-        expert_weights = weights.new_zeros(num_tokens, moe.num_experts).scatter_(1, ids, weights)  # [T, E]
-        gate, up = (x @ moe.w13.mT).chunk(2, dim=-1)  # [E, T, I] each
-        return torch.einsum("eth,te->th", (F.silu(gate) * up) @ moe.w2.mT, expert_weights.to(x.dtype))
+        gate_up, down = moe.expert_weights()
+        expert_weights = weights.new_zeros(num_tokens, len(down)).scatter_(1, ids, weights)  # [T, E + S]
+        gate, up = x @ gate_up[0].mT, x @ gate_up[1].mT  # [E + S, T, I] each
+        return torch.einsum("eth,te->th", (F.silu(gate) * up) @ down.mT, expert_weights.to(x.dtype))
 
     assert_close(moe.fused(x, weights, ids), every_expert())
     fused_ms = triton.testing.do_bench(lambda: moe.fused(x, weights, ids))

@@ -63,10 +63,15 @@ def test_each_rank_loads_its_block(tmp_path, load_format):
         assert torch.equal(part[f"{attn}.kv_b_proj.weight"], per_head[heads].reshape(48, 32))
         for replicated in (f"{attn}.fused_a_proj.weight", f"{mlp}.gate.weight"):  # q_a_proj and kv_a_proj_with_mqa
             assert torch.equal(part[replicated], full[replicated]), replicated
-        gate, up = full[f"{mlp}.w13"].chunk(2, dim=1)  # [experts, 24, hidden] each
-        width = slice(12 * rank, 12 * (rank + 1))
-        assert torch.equal(part[f"{mlp}.w13"], torch.cat([gate[:, width], up[:, width]], dim=1))
-        assert torch.equal(part[f"{mlp}.w2"], full[f"{mlp}.w2"][:, :, width])
+        # 8 routed experts of 24, then the shared MLP (2 x 24) as 2 more: each rank holds half of
+        # every routed expert's width and half of the shared MLP's (its 2 experts of 12)
+        gate_up, down = full[f"{mlp}.w13"].view(2, 10, 24, 64), full[f"{mlp}.w2"].view(64, 10, 24)
+        part_gate_up, part_down = part[f"{mlp}.w13"].view(2, 10, 12, 64), part[f"{mlp}.w2"].view(64, 10, 12)
+        width, shared_width = slice(12 * rank, 12 * (rank + 1)), slice(24 * rank, 24 * (rank + 1))
+        assert torch.equal(part_gate_up[:, :8], gate_up[:, :8, width])
+        assert torch.equal(part_down[:, :8], down[:, :8, width])
+        assert torch.equal(part_gate_up[:, 8:].flatten(1, 2), gate_up[:, 8:].flatten(1, 2)[:, shared_width])
+        assert torch.equal(part_down[:, 8:].flatten(1), down[:, 8:].flatten(1)[:, shared_width])
 
 
 @pytest.mark.parametrize("save", [save_tiny_llama, save_tiny_deepseek], ids=["llama", "deepseek"])

@@ -124,13 +124,16 @@ def test_rope_on_deepseek_slices(dtype):
     check_rope(rotary, (q, kv_a), carve, positions)
 
 
-@pytest.mark.parametrize("num_tokens, num_experts, top_k", [(5, 64, 6), (3, 10, 3), (160, 64, 6)])
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, num_shared", [(5, 64, 6, 2), (3, 10, 3, 0), (160, 64, 6, 2)])
 @pytest.mark.parametrize("renormalize", [False, True], ids=["scaled", "renormalized"])
-def test_route_top_k(num_tokens, num_experts, top_k, renormalize):
-    """The fused router against softmax + topk + the weight rule in torch (float32, as routing is)."""
+def test_route_top_k(num_tokens, num_experts, top_k, num_shared, renormalize):
+    """The fused router against softmax + topk + the weight rule + the shared experts appended, in
+    torch (float32, as routing is)."""
     logits = randn(num_tokens, num_experts, dtype=torch.float32) * 3
-    weights, ids = route_top_k(logits, top_k, renormalize, routed_scaling=2.5)
-    ref_weights, ref_ids = ops.route_top_k.reference(logits, top_k, renormalize, routed_scaling=2.5)
+    with nan_allocations():
+        weights, ids = route_top_k(logits, top_k, renormalize, routed_scaling=2.5, num_shared=num_shared)
+    ref_weights, ref_ids = ops.route_top_k.reference(logits, top_k, renormalize, 2.5, num_shared)
+    assert ids.shape == (num_tokens, top_k + num_shared) and (ids[:, top_k:] >= num_experts).all()
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)
 
