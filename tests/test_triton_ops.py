@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from nano import ops
 from nano.rope import RotaryEmbedding
-from nano.triton_ops import apply_rope_, fused_add_rms_norm, route_top_k, silu_and_mul
+from nano.triton_ops import apply_rope_, fused_add_rms_norm, route, silu_and_mul
 from tests.helpers import DEVICE, DTYPES, assert_close, gpu, nan_allocations, randn
 
 DEEPSEEK_YARN = {"rope_type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
@@ -124,18 +124,25 @@ def test_rope_on_deepseek_slices(dtype):
     check_rope(rotary, (q, kv_a), carve, positions)
 
 
-@pytest.mark.parametrize("num_tokens, num_experts, top_k, num_shared", [(5, 64, 6, 2), (3, 10, 3, 0), (160, 64, 6, 2)])
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, num_shared", [(5, 64, 6, 2), (3, 10, 3, 0), (40, 64, 6, 2)])
 @pytest.mark.parametrize("renormalize", [False, True], ids=["scaled", "renormalized"])
-def test_route_top_k(num_tokens, num_experts, top_k, num_shared, renormalize):
-    """The fused router against softmax + topk + the weight rule + the shared experts appended, in
-    torch (float32, as routing is)."""
-    logits = randn(num_tokens, num_experts, dtype=torch.float32) * 3
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_route(num_tokens, num_experts, top_k, num_shared, renormalize, dtype):
+    """The fused router against the float32 matmul + softmax + topk + the weight rule + the shared
+    experts appended, in torch. The kernel sums the logits in another order, so a token whose k-th
+    and next-best scores lie closer than that rounding may choose either: such rows are skipped."""
+    hidden = 200  # past three of the kernel's 64-column steps, and not a multiple of them
+    x = randn(num_tokens, hidden + 8, dtype=dtype)[:, :hidden]  # a column slice of a wider tensor
+    weight = randn(num_experts, hidden, dtype=torch.float32) / 4
     with nan_allocations():
-        weights, ids = route_top_k(logits, top_k, renormalize, routed_scaling=2.5, num_shared=num_shared)
-    ref_weights, ref_ids = ops.route_top_k.reference(logits, top_k, renormalize, 2.5, num_shared)
+        weights, ids = route(x, weight, top_k, renormalize, routed_scaling=2.5, num_shared=num_shared)
+    ref_weights, ref_ids = ops.route.reference(x, weight, top_k, renormalize, 2.5, num_shared)
     assert ids.shape == (num_tokens, top_k + num_shared) and (ids[:, top_k:] >= num_experts).all()
-    assert torch.equal(ids, ref_ids)
-    torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)
+    scores = F.linear(x.float(), weight).softmax(dim=-1).topk(top_k + 1, dim=-1).values
+    clear = scores[:, top_k - 1] - scores[:, top_k] > 1e-5  # [T]: no near-tie at the cut
+    assert clear.sum() >= num_tokens // 2
+    assert torch.equal(ids[clear], ref_ids[clear])
+    torch.testing.assert_close(weights[clear], ref_weights[clear], atol=1e-6, rtol=1e-5)
 
 
 # ---------------------------------------------------------------- GPU, Llama-3-8B sizes, bfloat16
