@@ -42,13 +42,13 @@ megabyte does. So each product does the elementwise work around it in its own ep
   next step's routing can flip on that). Loading every slot's tile in one step keeps as many bytes
   in flight as the per-pair grid would.
 
-Sizing for bf16 (hidden 2048, expert width 1408, 8 slots): 8 bf16 values are one 16-byte load, so
-a warp covers 256 columns of a row. gate_up: BLOCK_N = 16 rows of gate and of up by BLOCK_K = 256
-over 4 warps give each thread eight such loads per step and two float32 tiles of 32 registers; at
-batch 1 it runs 8 * 88 = 704 programs. down: 8 slots by BLOCK_N = 8 rows by BLOCK_K = 128 is 16
-loads a thread per step; at batch 1, 256 programs. Either way all of an H200's 132 multiprocessors
-keep tens of kilobytes in flight: what streaming at full bandwidth takes (BENCHMARKS.md has the
-timings).
+Sizing for bf16 (hidden 2048, expert width 1408, 8 slots), from scripts/tune_fused_moe.py on an
+H200: 8 bf16 values are one 16-byte load, so a warp covers 256 columns of a row. gate_up: BLOCK_N
+= 16 rows of gate and of up by BLOCK_K = 512 over 4 warps give each thread 16 such loads per step
+and two float32 tiles of 64 registers; at batch 1 it runs 8 * 88 = 704 programs. down: 8 slots by
+BLOCK_N = 16 rows by BLOCK_K = 128 is 32 loads a thread per step; at batch 1, 128 programs. Either
+way all of an H200's 132 multiprocessors keep tens of kilobytes in flight: what streaming at full
+bandwidth takes. Both products of one layer at batch 1 take 44 us, 3.2 TB/s (BENCHMARKS.md).
 
 Everything larger (decode batches past E/k tokens, prefill): `fused_moe_matmul`, a grouped matmul
 in the style of vLLM's and SGLang's fused_moe. With several pairs per expert the work is matrix
@@ -89,8 +89,8 @@ import triton.language as tl
 from nano.forward_batch import batch_bucket
 from nano.triton_ops import dot_precision
 
-GATE_UP_BLOCK_N, GATE_UP_BLOCK_K = 16, 256  # the mat-vec kernels' tiles (the module lesson says why)
-DOWN_BLOCK_N, DOWN_BLOCK_K = 8, 128
+GATE_UP_BLOCK_N, GATE_UP_BLOCK_K = 16, 512  # the mat-vec kernels' tiles (the module lesson says why)
+DOWN_BLOCK_N, DOWN_BLOCK_K = 16, 128
 
 
 @triton.jit

@@ -9,6 +9,8 @@ multiples of the blocks) in float32 and float16; the GPU tests run at DeepSeek-V
 bfloat16.
 """
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -171,7 +173,10 @@ def test_gpu_moe_kernel_forms_match_grouped(num_tokens, form):
     assert moe.form(num_tokens, on_cuda=True) == form
     x = randn(num_tokens, V2_LITE.hidden_size, dtype=torch.bfloat16)
     weights, ids = moe.route(x)
-    assert_close(moe(x), moe.grouped(x, weights, ids))  # moe(x) runs `form`
+    # The reference in float32: the kernels sum a token's 8 expert rows (of about unit size) in
+    # float32 and round once, where grouped rounds each row to bf16 first (4e-3 apart each).
+    reference = copy.deepcopy(moe).float().grouped(x.float(), weights, ids)
+    torch.testing.assert_close(moe(x).float(), reference, atol=3e-2, rtol=1e-2)  # moe(x) runs `form`
 
 
 @gpu
