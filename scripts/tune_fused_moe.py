@@ -88,13 +88,14 @@ for tokens in counts:
     ids = torch.cat([routed, torch.arange(E, E + SHARED, device="cuda").expand(tokens, -1)], dim=1)
     weights = torch.rand(tokens, SLOTS, device="cuda")
     gigabytes = ids.unique().numel() * 3 * INTER * HIDDEN * 2 / 1e9
-    if tokens <= 8:
+    h = torch.randn(tokens * SLOTS, INTER, device="cuda", dtype=torch.bfloat16)  # the down product's input
+    current = fused_moe_config(tokens, TOP_K, E)
+    if tokens <= 8:  # the mat-vec form runs; the grouped one beside it, with nano's tiles
         now = matvec_time(x, ids, weights, matvec_now)
         report(tokens, gigabytes, now, matvec_now, timed(lambda t: matvec_time(x, ids, weights, t), matvec_candidates))
         for name, value in matvec_now.items():  # nano's tiles back
             setattr(moe_kernels, name, value)
+        print(f"       grouped {fused_time(x, h, ids, weights, current) * 1e3:7.1f} us {current}")
     else:
-        h = torch.randn(tokens * SLOTS, INTER, device="cuda", dtype=torch.bfloat16)  # the down product's input
-        current = fused_moe_config(tokens, TOP_K, E)
         now = fused_time(x, h, ids, weights, current)
         report(tokens, gigabytes, now, current, timed(lambda c: fused_time(x, h, ids, weights, c), fused_candidates))

@@ -210,14 +210,15 @@ def test_gpu_fused_against_every_expert_on_every_token(num_tokens):
     x = randn(num_tokens, V2_LITE.hidden_size, dtype=torch.bfloat16)
     weights, ids = moe.route(x)
 
-    def every_expert():
-        gate_up, down = moe.expert_weights()
+    def every_expert(dtype=torch.bfloat16):
+        gate_up, down = (w.to(dtype) for w in moe.expert_weights())
         expert_weights = weights.new_zeros(num_tokens, len(down)).scatter_(1, ids, weights)  # [T, E + S]
-        gate, up = x @ gate_up[0].mT, x @ gate_up[1].mT  # [E + S, T, I] each
-        return torch.einsum("eth,te->th", (F.silu(gate) * up) @ down.mT, expert_weights.to(x.dtype))
+        gate, up = x.to(dtype) @ gate_up[0].mT, x.to(dtype) @ gate_up[1].mT  # [E + S, T, I] each
+        return torch.einsum("eth,te->th", (F.silu(gate) * up) @ down.mT, expert_weights.to(dtype))
 
-    assert_close(moe.fused(x, weights, ids), every_expert())
+    # in float32: each form rounds a token's 8 expert rows of about unit size (4e-3 apart each)
+    torch.testing.assert_close(moe.fused(x, weights, ids).float(), every_expert(torch.float32), atol=3e-2, rtol=1e-2)
     fused_ms = triton.testing.do_bench(lambda: moe.fused(x, weights, ids))
     every_ms = triton.testing.do_bench(every_expert)
-    print(f"\nrouted experts of one layer, {num_tokens} tokens: fused {fused_ms * 1e3:.0f} us, "
+    print(f"\nexperts of one layer (shared ones too), {num_tokens} tokens: fused {fused_ms * 1e3:.0f} us, "
           f"every expert on every token {every_ms * 1e3:.0f} us ({every_ms / fused_ms:.1f}x)")
