@@ -46,13 +46,14 @@ Sizing for bf16 (hidden 2048, expert width 1408, 8 slots), from scripts/tune_fus
 H200: 8 bf16 values are one 16-byte load, so a warp covers 256 columns of a row. gate_up: BLOCK_N
 = 16 rows of gate and of up by BLOCK_K = 512 over 4 warps give each thread 16 such loads per step
 and two float32 tiles of 64 registers; at batch 1 it runs 8 * 88 = 704 programs. down: 8 slots by
-BLOCK_N = 16 rows by BLOCK_K = 128 is 32 loads a thread per step; at batch 1, 128 programs. Either
-way all of an H200's 132 multiprocessors keep tens of kilobytes in flight: what streaming at full
-bandwidth takes. Both products of one layer at batch 1 take 44 us, 3.2 TB/s (BENCHMARKS.md).
+BLOCK_N = 16 rows by BLOCK_K = 128 is 16 loads a thread per step into a float32 tile of 128
+registers; at batch 1, 128 programs. Either way all of an H200's 132 multiprocessors keep tens of
+kilobytes in flight: what streaming at full bandwidth takes. Both products of one layer at batch 1
+take 44 us, 3.2 TB/s (BENCHMARKS.md).
 
-Everything larger (decode batches past E/k tokens, prefill): `fused_moe_matmul`, a grouped matmul
-in the style of vLLM's and SGLang's fused_moe. With several pairs per expert the work is matrix
-multiplication again, expert e's weights times the rows of its pairs, so:
+Everything larger (decode batches with more pairs than experts, prefill): `fused_moe_matmul`, a
+grouped matmul in the style of vLLM's and SGLang's fused_moe. With several pairs per expert the
+work is matrix multiplication again, expert e's weights times the rows of its pairs, so:
 1. `align_pairs_by_expert` sorts the pair ids by expert, on the device, and lays them out in
    blocks of BLOCK_M: each block holds pairs of one expert, and an expert's last block is padded
    with a sentinel id (T * slots). It also names each block's expert (-1 for blocks left unused).
