@@ -1,13 +1,15 @@
 """CUDA-graph runner: bucketing and static-buffer filling on CPU (CI); capture and replay
 against eager decoding on the GPU (skipped without CUDA)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
+from nano.cli import SHIPPED_CONFIGS
 from nano.config import load_config
 from nano.cuda_graph_runner import StaticDecodeInputs, capture_batch_sizes
 from nano.forward_batch import ForwardBatch, batch_bucket
-from nano.cli import SHIPPED_CONFIGS
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -53,7 +55,9 @@ def test_padding_to_the_graph_size_changes_no_choice():
     max_bs, sizes = 160, capture_batch_sizes(160)
     llama, deepseek = load_config(SHIPPED_CONFIGS / "llama-3-8b"), load_config(SHIPPED_CONFIGS / "deepseek-v2-lite")
     with torch.device("meta"):  # only shapes are needed: nothing is allocated
-        moe = MoE(deepseek)
+        # V2-Lite's threshold (66 experts / 8 slots) falls on a bucket's edge; with 4 of 64 routed it
+        # falls inside one (11 tokens, in bucket 16), where a rounding in one place only would show
+        moes = [MoE(deepseek), MoE(replace(deepseek, num_experts_per_tok=4))]
     req_to_token = torch.zeros(max_bs, 8, dtype=torch.int32)
     backends = [TritonAttnBackend(KVPool(cfg, 2, torch.bfloat16, "cpu", use_mla=True), req_to_token, max_bs,
                                   cfg.num_heads) for cfg in (llama, deepseek)]
@@ -69,8 +73,10 @@ def test_padding_to_the_graph_size_changes_no_choice():
             eager_splits = backend.num_kv_splits[:bs].clone()
             backend.init_forward_metadata(inputs.batch(padded_bs))
             assert backend.num_kv_splits[:bs].tolist() == eager_splits.tolist(), f"batch {bs}: splits differ"
-        assert moe.form(bs, on_cuda=True) == moe.form(padded_bs, on_cuda=True), f"batch {bs}: MoE forms differ"
-    assert {moe.form(bs, on_cuda=True) for bs in range(1, max_bs + 1)} == {"matvec", "fused"}  # both are exercised
+        for moe in moes:
+            assert moe.form(bs, on_cuda=True) == moe.form(padded_bs, on_cuda=True), f"batch {bs}: MoE forms differ"
+    for moe in moes:  # both forms are exercised
+        assert {moe.form(bs, on_cuda=True) for bs in range(1, max_bs + 1)} == {"matvec", "fused"}
 
 
 def _random_prompts(n, vocab, seed):
@@ -101,8 +107,8 @@ def test_graphs_match_eager_as_the_batch_shrinks(shape):
     where it does).
     DeepSeek's router makes this strict: with random weights some experts' scores nearly tie, and
     any last-bit difference (an atomic add in another order) flips one and the texts part."""
-    from nano.engine import Engine, EngineConfig
     from nano.cli import SHIPPED_CONFIGS
+    from nano.engine import Engine, EngineConfig
     from nano.sampling import SamplingParams
 
     prompts = _random_prompts(13, 32000, seed=0)
