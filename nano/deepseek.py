@@ -125,7 +125,7 @@ class MoE(nn.Module):
         self.num_shared = cfg.n_shared_experts
         self.norm_topk_prob, self.routed_scaling_factor = cfg.norm_topk_prob, cfg.routed_scaling_factor
         hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate = Linear(hidden, cfg.n_routed_experts, dtype=torch.float32)  # the router (ops.route), in float32
+        self.gate = Linear(hidden, cfg.n_routed_experts, dtype=torch.float32)  # the router, see route()
         # The shared experts are one SwiGLU of S times an expert's width. A SwiGLU's width splits into
         # independent parts whose outputs add up, so they are S more experts (E, E+1, ...) that every
         # token chooses with weight 1: one set of kernels runs both kinds. All experts' weights are
@@ -158,9 +158,13 @@ class MoE(nn.Module):
 
     def route(self, x) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (weights [T, k + S] float32, expert ids [T, k + S]): the k chosen, then the S shared experts."""
-        # DeepSeek-V2's rule (ops.route): renormalise the chosen weights *or* scale them, never both.
+        # In float32, as DeepSeek does: bf16 rounding would flip the choice between close experts.
+        # The loader keeps the router's weight in float32, so `.float()` is free; a module cast to
+        # another dtype after construction still routes correctly, paying one conversion a step.
+        logits = F.linear(x.float(), self.gate.weight.float())  # [T, E]
+        # DeepSeek-V2's rule (ops.route_top_k): renormalise the chosen weights *or* scale them, never both.
         renormalize = self.top_k > 1 and self.norm_topk_prob
-        return ops.route(x, self.gate.weight, self.top_k, renormalize, self.routed_scaling_factor, self.num_shared)
+        return ops.route_top_k(logits, self.top_k, renormalize, self.routed_scaling_factor, self.num_shared)
 
     def form(self, num_tokens: int, on_cuda: bool) -> str:
         """Which of three forms of the same sum runs, chosen from the number of tokens (a shape,

@@ -1,7 +1,7 @@
 """The per-token ops the models call, and the one place that decides how each one runs.
 
 model.py, rope.py and deepseek.py call `ops.fused_add_rms_norm` (and `ops.rms_norm`, the same with
-nothing to add), `ops.silu_and_mul`, `ops.apply_rope_` and `ops.route` without asking where they
+nothing to add), `ops.silu_and_mul`, `ops.apply_rope_` and `ops.route_top_k` without asking where they
 run. Each has two implementations:
 the Triton kernel of the same name for CUDA tensors (one launch each: triton_ops.py says why that
 matters), and the plain torch below for any other. The torch version is what a CPU run computes and
@@ -66,13 +66,10 @@ def apply_rope_(q, k, cos_sin, positions):
 
 
 @_triton_on_cuda
-def route(x, weight, top_k, renormalize, routed_scaling, num_shared=0):
-    """A MoE router: x [T, hidden] times weight [E, hidden] -> logits in float32 (as DeepSeek does:
-    bf16 rounding would flip the choice between close experts) -> softmax, the top k (weights
-    float32, expert ids, best first), then DeepSeek-V2's rule: renormalise the chosen weights *or*
-    scale them. The `num_shared` shared experts follow as experts E, E+1, ... of weight 1
-    -> [T, k + num_shared] each."""
-    logits = F.linear(x.float(), weight.float())  # [T, E]
+def route_top_k(logits, top_k, renormalize, routed_scaling, num_shared=0):
+    """A MoE router: logits [T, E] float32 -> softmax, the top k (weights float32, expert ids, best
+    first), then DeepSeek-V2's rule: renormalise the chosen weights *or* scale them. The
+    `num_shared` shared experts follow as experts E, E+1, ... of weight 1 -> [T, k + num_shared] each."""
     weights, ids = logits.softmax(dim=-1).topk(top_k, dim=-1)
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)

@@ -196,19 +196,16 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, routed_scaling,
     tl.store(ids_ptr + row, ids, mask=slots < TOP_K + NUM_SHARED)
 
 
-def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool, routed_scaling: float,
-          num_shared: int = 0):
-    """A MoE router: the float32 logits by cuBLAS, then softmax, top-k, the weight rule and the
-    shared experts in one launch (torch takes about seven: softmax, a sort and a gather for topk,
-    the rescale, the two appends): x [T, hidden], weight [E, hidden] -> (weights [T, k + num_shared]
-    float32, expert ids [T, k + num_shared] int64), best first, then the shared experts. See
-    ops.route for the rule. The logits stay a matmul of their own: one program per token reading
-    the whole weight (512 KB in float32 for V2-Lite) took 85 us on an H200, 20 times the matmul."""
-    logits = torch.nn.functional.linear(x.float(), weight.float())  # [T, E]; the weight is float32 already
+def route_top_k(logits: torch.Tensor, top_k: int, renormalize: bool, routed_scaling: float, num_shared: int = 0):
+    """A MoE router's softmax, top-k, weight rule and shared experts in one launch (torch takes
+    about seven: softmax, a sort and a gather for topk, the rescale, the two appends): logits [T, E]
+    float32 -> (weights [T, k + num_shared] float32, expert ids [T, k + num_shared] int64), best
+    first, then the shared experts. See ops.route_top_k for the rule."""
     num_tokens, num_experts = logits.shape
+    assert logits.dtype == torch.float32 and logits.is_contiguous()
     slots = top_k + num_shared
-    weights = torch.empty((num_tokens, slots), dtype=torch.float32, device=x.device)
-    ids = torch.empty((num_tokens, slots), dtype=torch.int64, device=x.device)
+    weights = torch.empty((num_tokens, slots), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((num_tokens, slots), dtype=torch.int64, device=logits.device)
     _route_kernel[(num_tokens,)](logits, weights, ids, num_experts, routed_scaling, TOP_K=top_k, NUM_SHARED=num_shared,
                                  RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
                                  BLOCK_K=triton.next_power_of_2(slots), num_warps=1)
