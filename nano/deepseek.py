@@ -158,13 +158,9 @@ class MoE(nn.Module):
 
     def route(self, x) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (weights [T, k + S] float32, expert ids [T, k + S]): the k chosen, then the S shared experts."""
-        # In float32, as DeepSeek does: bf16 rounding would flip the choice between close experts.
-        # The loader keeps the router's weight in float32, so `.float()` is free; a module cast to
-        # another dtype after construction still routes correctly, paying one conversion a step.
-        logits = F.linear(x.float(), self.gate.weight.float())  # [T, E]
-        # DeepSeek-V2's rule (ops.route_top_k): renormalise the chosen weights *or* scale them, never both.
+        # DeepSeek-V2's rule (ops.route): renormalise the chosen weights *or* scale them, never both.
         renormalize = self.top_k > 1 and self.norm_topk_prob
-        return ops.route_top_k(logits, self.top_k, renormalize, self.routed_scaling_factor, self.num_shared)
+        return ops.route(x, self.gate.weight, self.top_k, renormalize, self.routed_scaling_factor, self.num_shared)
 
     def form(self, num_tokens: int, on_cuda: bool) -> str:
         """Which of three forms of the same sum runs, chosen from the number of tokens (a shape,
@@ -201,7 +197,7 @@ class MoE(nn.Module):
     def fused(self, x, weights, ids):
         kernels = ops.kernels("moe_kernels")
         (num_tokens, slots), (gate_up, down) = ids.shape, self.expert_weights()
-        config = kernels.fused_moe_config(num_tokens, self.top_k, self.num_experts)  # tiled for the routed experts
+        config = kernels.fused_moe_config(num_tokens, self.top_k, self.num_experts, self.num_shared)
         pairs = kernels.align_pairs_by_expert(ids, self.num_experts + self.num_shared, config["BLOCK_M"])
         h = kernels.fused_moe_matmul(x, gate_up, *pairs, config, pairs_per_row=slots)  # [T*slots, 2I]
         out = kernels.fused_moe_matmul(ops.silu_and_mul(h), down, *pairs, config, pair_weights=weights)

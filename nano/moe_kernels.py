@@ -72,10 +72,12 @@ experts have pairs. Buffers and grid take that bound, and unused blocks exit at 
 Block sizes (`fused_moe_config`): an expert's weights are read once per block of its pairs, and
 padding rows are wasted work, so BLOCK_M follows a routed expert's average share of the pairs,
 T*k / E, rounded up to a power of two between 16 (the smallest `tl.dot` tile) and 64. For V2-Lite that is
-16 for every decode batch up to 168 tokens (at 160, 15 pairs an expert): reading weights is all
-that matters there. From 344 tokens on (prefill) blocks have 64 rows: the tensor cores set the pace.
-A shared expert has a pair for every token, so its weights are read once per block of BLOCK_M
-tokens; the blocks that read the same tile run side by side, and the repeats mostly hit in L2.
+16 up to 168 tokens (at 160, 15 pairs a routed expert) and 64 from 344 tokens on (prefill), where
+the tensor cores set the pace. A shared expert, though, has a pair for every token, so 16-row
+blocks read its weights T/16 times; the blocks that read the same tile run side by side, so the
+repeats mostly hit in L2, but not all. From 128 tokens that costs more than padding the routed
+experts' blocks: with shared experts, blocks have 64 rows from 128 tokens on (on an H200, 6%
+faster a layer at 128 and 160 tokens; at 64 tokens 16 rows stay faster: scripts/tune_fused_moe.py).
 BLOCK_N = 128 by BLOCK_K = 64 weight tiles (16 KB in bf16) keep a few tiles in flight per
 program in shared memory, even in float32; a 64-row block takes 8 warps for its larger tile.
 
@@ -198,10 +200,14 @@ def align_pairs_by_expert(expert_ids: torch.Tensor, num_experts: int,
     return sorted_pair_ids, expert_or_none[sorted_pair_ids[::block_m]]
 
 
-def fused_moe_config(num_tokens: int, top_k: int, num_experts: int) -> dict:
-    """Tile sizes of fused_moe_matmul (the module lesson says why). Chosen from the batch's bucket
-    (forward_batch.py), so a batch padded for a CUDA graph tiles like the same batch run eagerly."""
-    pairs_per_expert = triton.cdiv(batch_bucket(num_tokens) * top_k, num_experts)
+def fused_moe_config(num_tokens: int, top_k: int, num_experts: int, num_shared: int = 0) -> dict:
+    """Tile sizes of fused_moe_matmul for k of E routed experts and S shared ones (the module lesson
+    says why). Chosen from the batch's bucket (forward_batch.py), so a batch padded for a CUDA graph
+    tiles like the same batch run eagerly."""
+    tokens = batch_bucket(num_tokens)
+    pairs_per_expert = triton.cdiv(tokens * top_k, num_experts)
+    if num_shared and tokens >= 128:  # the shared experts' re-reads outweigh the routed ones' padding
+        pairs_per_expert = 64
     block_m = min(max(triton.next_power_of_2(pairs_per_expert), 16), 64)
     return dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=64, num_warps=4 if block_m <= 32 else 8)
 

@@ -1,10 +1,10 @@
 """The per-token ops the models call, and the one place that decides how each one runs.
 
 model.py, rope.py and deepseek.py call `ops.fused_add_rms_norm` (and `ops.rms_norm`, the same with
-nothing to add), `ops.silu_and_mul`, `ops.apply_rope_` and `ops.route_top_k` without asking where they
+nothing to add), `ops.silu_and_mul`, `ops.apply_rope_` and `ops.route` without asking where they
 run. Each has two implementations:
-the Triton kernel of the same name for CUDA tensors (one launch each: triton_ops.py says why that
-matters), and the plain torch below for any other. The torch version is what a CPU run computes and
+the Triton kernel of the same name for CUDA tensors (one launch each, the router two: triton_ops.py
+says why that matters), and the plain torch below for any other. The torch version is what a CPU run computes and
 the truth the kernel tests compare against (`op.reference`). The device of the op's first tensor
 decides, here and nowhere else. triton is imported on the first call with a CUDA tensor: it is not a
 runtime dependency (the CUDA build of torch brings its own), and a CPU run never imports it.
@@ -66,10 +66,12 @@ def apply_rope_(q, k, cos_sin, positions):
 
 
 @_triton_on_cuda
-def route_top_k(logits, top_k, renormalize, routed_scaling, num_shared=0):
-    """A MoE router: logits [T, E] float32 -> softmax, the top k (weights float32, expert ids, best
-    first), then DeepSeek-V2's rule: renormalise the chosen weights *or* scale them. The
-    `num_shared` shared experts follow as experts E, E+1, ... of weight 1 -> [T, k + num_shared] each."""
+def route(x, gate_weight, top_k, renormalize, routed_scaling, num_shared=0):
+    """A MoE router: x [T, hidden] -> logits over E experts in float32 (as DeepSeek does: bf16
+    rounding would flip the choice between close experts) -> softmax, the top k (weights float32,
+    expert ids, best first), then DeepSeek-V2's rule: renormalise the chosen weights *or* scale
+    them. The `num_shared` shared experts follow as experts E, E+1, ... of weight 1 -> [T, k + num_shared] each."""
+    logits = F.linear(x.float(), gate_weight.float())  # [T, E]
     weights, ids = logits.softmax(dim=-1).topk(top_k, dim=-1)
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)

@@ -1,4 +1,5 @@
-"""Fused per-token kernels: residual add + RMSNorm, SiLU-and-multiply, and rope, one launch each.
+"""Fused per-token kernels: residual add + RMSNorm, SiLU-and-multiply, rope (one launch each) and
+MoE routing (two).
 
 Besides its matmuls and attention, a decoder layer does a few small things to each token on its
 own: two RMSNorms, two residual adds, the MLP's gate activation, and rope on q and k. Written in
@@ -19,6 +20,10 @@ How each kernel splits the work:
   loaded once and broadcast over heads. It writes in place.
 - silu_and_mul: a grid of (token, block of columns) over the [T, I] output; a program reads its
   columns of gate and the same columns of up, I elements further along the row.
+- route (a MoE router, deepseek.py): a grid of (16 tokens, 128 hidden channels) computes partial
+  float32 logits, so even one token's router weight is read by many programs; then one program
+  per token adds its partials up in a fixed order, takes the softmax and the top k, and appends
+  the shared experts.
 
 Arithmetic is in float32, rounded to the activation dtype where the HF reference rounds, so bf16
 results match torch's to the bit or nearly. The kernels take each tensor's row (token, head)
@@ -167,12 +172,38 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# The router's logits in float32: a program per block of 16 tokens (tl.dot's smallest tile) and
+# chunk of 128 hidden channels, so at batch 1 the 0.5 MB float32 weight (DeepSeek-V2-Lite) is read
+# by 16 programs at once instead of one. _route_kernel adds the chunks' partial logits up.
+ROUTER_BLOCK_T, ROUTER_BLOCK_H = 16, 128
+
+
 @triton.jit
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, routed_scaling, TOP_K: tl.constexpr,
-                  NUM_SHARED: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
+def _router_logits_kernel(x_ptr, w_ptr, partial_ptr, num_tokens, num_experts, hidden, x_row_stride,
+                          BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr):
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    chunk = tl.program_id(1)
+    cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
     experts = tl.arange(0, BLOCK_E)
-    logits = tl.load(logits_ptr + token * num_experts + experts, mask=experts < num_experts, other=float("-inf"))
+    in_tokens, in_cols, in_experts = tokens < num_tokens, cols < hidden, experts < num_experts
+    x = tl.load(x_ptr + tokens[:, None].to(tl.int64) * x_row_stride + cols[None, :],
+                mask=in_tokens[:, None] & in_cols[None, :], other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_H]
+    w = tl.load(w_ptr + experts[None, :] * hidden + cols[:, None],
+                mask=in_cols[:, None] & in_experts[None, :], other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_E]: w^T
+    partial = tl.dot(x, w, input_precision="ieee")  # [BLOCK_T, BLOCK_E], float32 products and sums
+    rows = (chunk * num_tokens + tokens[:, None]).to(tl.int64) * num_experts  # partial logits [chunks, T, E]
+    tl.store(partial_ptr + rows + experts[None, :], partial, mask=in_tokens[:, None] & in_experts[None, :])
+
+
+@triton.jit
+def _route_kernel(partial_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, num_chunks, routed_scaling,
+                  TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr, RENORMALIZE: tl.constexpr,
+                  BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    experts, chunks = tl.arange(0, BLOCK_E), tl.arange(0, BLOCK_C)
+    partial = tl.load(partial_ptr + (chunks[:, None] * num_tokens + token) * num_experts + experts[None, :],
+                      mask=(chunks[:, None] < num_chunks) & (experts[None, :] < num_experts), other=0.0)
+    logits = tl.where(experts < num_experts, tl.sum(partial, 0), float("-inf"))  # [BLOCK_E], in a fixed order
     scores = tl.exp(logits - tl.max(logits, 0))
     scores = scores / tl.sum(scores, 0)  # softmax [BLOCK_E]; padding lanes are 0
     slots = tl.arange(0, BLOCK_K)
@@ -196,17 +227,24 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, routed_scaling,
     tl.store(ids_ptr + row, ids, mask=slots < TOP_K + NUM_SHARED)
 
 
-def route_top_k(logits: torch.Tensor, top_k: int, renormalize: bool, routed_scaling: float, num_shared: int = 0):
-    """A MoE router's softmax, top-k, weight rule and shared experts in one launch (torch takes
-    about seven: softmax, a sort and a gather for topk, the rescale, the two appends): logits [T, E]
-    float32 -> (weights [T, k + num_shared] float32, expert ids [T, k + num_shared] int64), best
-    first, then the shared experts. See ops.route_top_k for the rule."""
-    num_tokens, num_experts = logits.shape
-    assert logits.dtype == torch.float32 and logits.is_contiguous()
-    slots = top_k + num_shared
-    weights = torch.empty((num_tokens, slots), dtype=torch.float32, device=logits.device)
-    ids = torch.empty((num_tokens, slots), dtype=torch.int64, device=logits.device)
-    _route_kernel[(num_tokens,)](logits, weights, ids, num_experts, routed_scaling, TOP_K=top_k, NUM_SHARED=num_shared,
-                                 RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
+def route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool, routed_scaling: float,
+          num_shared: int = 0):
+    """A MoE router in two launches (torch takes about ten: the float32 cast, the matmul, softmax, a
+    sort and a gather for topk, the rescale, the two appends): x [T, hidden], gate_weight [E, hidden]
+    -> (weights [T, k + num_shared] float32, expert ids [T, k + num_shared] int64), best first, then
+    the shared experts. See ops.route for the rule."""
+    (num_tokens, hidden), num_experts = x.shape, gate_weight.shape[0]
+    assert x.stride(-1) == 1 and gate_weight.is_contiguous() and gate_weight.shape[1] == hidden
+    num_chunks, slots = triton.cdiv(hidden, ROUTER_BLOCK_H), top_k + num_shared
+    block_e = max(16, triton.next_power_of_2(num_experts))
+    partial = torch.empty((num_chunks, num_tokens, num_experts), dtype=torch.float32, device=x.device)
+    _router_logits_kernel[(triton.cdiv(num_tokens, ROUTER_BLOCK_T), num_chunks)](
+        x, gate_weight, partial, num_tokens, num_experts, hidden, x.stride(0),
+        BLOCK_T=ROUTER_BLOCK_T, BLOCK_H=ROUTER_BLOCK_H, BLOCK_E=block_e, num_warps=4)
+    weights = torch.empty((num_tokens, slots), dtype=torch.float32, device=x.device)
+    ids = torch.empty((num_tokens, slots), dtype=torch.int64, device=x.device)
+    _route_kernel[(num_tokens,)](partial, weights, ids, num_tokens, num_experts, num_chunks, routed_scaling,
+                                 TOP_K=top_k, NUM_SHARED=num_shared, RENORMALIZE=renormalize,
+                                 BLOCK_C=triton.next_power_of_2(num_chunks), BLOCK_E=block_e,
                                  BLOCK_K=triton.next_power_of_2(slots), num_warps=1)
     return weights, ids

@@ -89,7 +89,7 @@ for tokens in counts:
     weights = torch.rand(tokens, SLOTS, device="cuda")
     gigabytes = ids.unique().numel() * 3 * INTER * HIDDEN * 2 / 1e9
     h = torch.randn(tokens * SLOTS, INTER, device="cuda", dtype=torch.bfloat16)  # the down product's input
-    current = fused_moe_config(tokens, TOP_K, E)
+    current = fused_moe_config(tokens, TOP_K, E, SHARED)
     if tokens <= 8:  # the mat-vec form runs; the grouped one beside it, with nano's tiles
         now = matvec_time(x, ids, weights, matvec_now)
         report(tokens, gigabytes, now, matvec_now, timed(lambda t: matvec_time(x, ids, weights, t), matvec_candidates))

@@ -113,7 +113,7 @@ def check_fused(num_tokens: int, slots: int, num_experts: int, inter: int, hidde
     per token, gate rows then up rows out) and down (one row per pair, weighted)."""
     gate_up, down = random_stacks(num_experts, inter, hidden, dtype)
     ids, weights = random_routing(num_tokens, slots, num_experts)
-    config = fused_moe_config(num_tokens, slots - 1, num_experts - 1)
+    config = fused_moe_config(num_tokens, slots - 1, num_experts - 1, num_shared=1)
     pairs = align_pairs_by_expert(ids, num_experts, config["BLOCK_M"])
     x = randn(num_tokens, hidden + 8, dtype=dtype)[:, :hidden]
     h = randn(num_tokens * slots, inter, dtype=dtype)

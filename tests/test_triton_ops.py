@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from nano import ops
 from nano.rope import RotaryEmbedding
-from nano.triton_ops import apply_rope_, fused_add_rms_norm, route_top_k, silu_and_mul
+from nano.triton_ops import apply_rope_, fused_add_rms_norm, route, silu_and_mul
 from tests.helpers import DEVICE, DTYPES, assert_close, gpu, nan_allocations, randn
 
 DEEPSEEK_YARN = {"rope_type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
@@ -124,21 +124,30 @@ def test_rope_on_deepseek_slices(dtype):
     check_rope(rotary, (q, kv_a), carve, positions)
 
 
-@pytest.mark.parametrize("num_tokens, num_experts, top_k, num_shared", [(5, 64, 6, 2), (3, 10, 3, 0), (160, 64, 6, 2)])
-@pytest.mark.parametrize("renormalize", [False, True], ids=["scaled", "renormalized"])
-def test_route_top_k(num_tokens, num_experts, top_k, num_shared, renormalize):
-    """The fused router against softmax + topk + the weight rule + the shared experts appended, in
-    torch (float32, as routing is)."""
-    logits = randn(num_tokens, num_experts, dtype=torch.float32) * 3
+def check_route(num_tokens, hidden, num_experts, top_k, num_shared, renormalize, dtype):
+    """The router's two kernels against torch's float32 matmul, softmax, topk, the weight rule and
+    the shared experts appended. Their logits are summed in another order than torch's, so where
+    two experts nearly tie either may come first: the chosen experts' torch logits must equal the
+    best ones, in order, and the weights torch's."""
+    x = randn(num_tokens, hidden + 8, dtype=dtype)[:, :hidden]  # rows of a wider tensor
+    gate_weight = randn(num_experts, hidden, dtype=torch.float32) * 3 / hidden**0.5
     with nan_allocations():
-        weights, ids = route_top_k(logits, top_k, renormalize, routed_scaling=2.5, num_shared=num_shared)
-    ref_weights, ref_ids = ops.route_top_k.reference(logits, top_k, renormalize, 2.5, num_shared)
-    assert ids.shape == (num_tokens, top_k + num_shared) and (ids[:, top_k:] >= num_experts).all()
-    assert torch.equal(ids, ref_ids)
-    torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)
+        weights, ids = route(x, gate_weight, top_k, renormalize, routed_scaling=2.5, num_shared=num_shared)
+    ref_weights, ref_ids = ops.route.reference(x, gate_weight, top_k, renormalize, 2.5, num_shared)
+    assert ids.shape == (num_tokens, top_k + num_shared) and torch.equal(ids[:, top_k:], ref_ids[:, top_k:])
+    logits = F.linear(x.float(), gate_weight)
+    torch.testing.assert_close(logits.gather(1, ids[:, :top_k]), logits.gather(1, ref_ids[:, :top_k]))
+    torch.testing.assert_close(weights, ref_weights, atol=1e-5, rtol=1e-4)
 
 
-# ---------------------------------------------------------------- GPU, Llama-3-8B sizes, bfloat16
+@pytest.mark.parametrize("num_tokens, hidden, num_experts, top_k, num_shared",
+                         [(5, 200, 64, 6, 2), (3, 72, 10, 3, 0), (40, 130, 64, 6, 2)])  # 40: three token blocks
+@pytest.mark.parametrize("renormalize", [False, True], ids=["scaled", "renormalized"])
+def test_route(num_tokens, hidden, num_experts, top_k, num_shared, renormalize):
+    check_route(num_tokens, hidden, num_experts, top_k, num_shared, renormalize, torch.float16)
+
+
+# ---------------------------------------------------------------- GPU, Llama-3-8B sizes (the router: DeepSeek-V2-Lite), bfloat16
 
 
 @gpu
@@ -157,3 +166,9 @@ def test_gpu_silu_and_mul(num_tokens):
 @pytest.mark.parametrize("num_tokens", [1, 7, 160])
 def test_gpu_rope(num_tokens):
     check_rope_fused_qkv(num_tokens, 32, 8, 128, torch.bfloat16, LLAMA_3_1_SCALING)
+
+
+@gpu
+@pytest.mark.parametrize("num_tokens", [1, 7, 160, 1000])
+def test_gpu_route(num_tokens):  # DeepSeek-V2-Lite's router
+    check_route(num_tokens, 2048, 64, 6, 2, renormalize=False, dtype=torch.bfloat16)
