@@ -50,7 +50,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(sum(self.output_sizes), dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x):
-        return F.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -152,7 +152,7 @@ class CausalLM(nn.Module):
         return F.embedding(input_ids, self.embed_tokens)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.embed_tokens if self.lm_head is None else self.lm_head.weight)
+        return ops.linear(x, self.embed_tokens if self.lm_head is None else self.lm_head.weight)
 
     def checkpoint_layout(self) -> dict[str, tuple[torch.Tensor, tuple]]:
         """HF tensor name -> (our parameter, index of the rows it fills)."""

@@ -57,6 +57,9 @@ work is matrix multiplication again, expert e's weights times the rows of its pa
 1. `align_pairs_by_expert` sorts the pair ids by expert, on the device, and lays them out in
    blocks of BLOCK_M: each block holds pairs of one expert, and an expert's last block is padded
    with a sentinel id (T * slots). It also names each block's expert (-1 for blocks left unused).
+   It is a counting sort, one program per expert: count every expert's pairs, so the expert's run
+   starts after the padded runs before it, then place its own pairs in pair order. (Torch's
+   argsort, searchsorted and scatter took ten launches and 40 us a layer at 160 tokens.)
 2. One launch, grid (blocks, N / BLOCK_N): program (b, n) gathers its block's BLOCK_M input rows
    (row = pair // slots when the input has one row per token, as the up/gate projection's does;
    row = pair when it has one per pair, as the down projection's), multiplies them by its
@@ -176,28 +179,53 @@ def down_matvec(h: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor,
     return out
 
 
+@triton.jit
+def _align_kernel(ids_ptr, sorted_pair_ids_ptr, block_expert_ptr, num_pairs, num_experts, max_blocks,
+                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr):
+    expert = tl.program_id(0)
+    experts, offs = tl.arange(0, BLOCK_E), tl.arange(0, BLOCK_P)
+    # Every expert's pair count: each program counts them all, as its run starts after the others'.
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for p0 in range(0, num_pairs, BLOCK_P):
+        ids = tl.load(ids_ptr + p0 + offs, mask=p0 + offs < num_pairs, other=-1)
+        counts += tl.sum((ids[None, :] == experts[:, None]).to(tl.int32), axis=1)
+    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M  # [BLOCK_E]: rows of each expert's blocks
+    mine = experts == expert
+    start = tl.sum(tl.where(mine, tl.cumsum(padded, axis=0) - padded, 0))  # this expert's first row
+    count, end = tl.sum(tl.where(mine, counts, 0)), start + tl.sum(tl.where(mine, padded, 0))
+    # Its pairs in pair order, then the sentinel up to a whole block, and its blocks' expert.
+    seen = 0
+    for p0 in range(0, num_pairs, BLOCK_P):
+        pairs = p0 + offs
+        is_mine = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1) == expert
+        rank = seen + tl.cumsum(is_mine.to(tl.int32), axis=0) - 1
+        tl.store(sorted_pair_ids_ptr + start + rank, pairs, mask=is_mine)
+        seen += tl.sum(is_mine.to(tl.int32))
+    pad = start + count + tl.arange(0, BLOCK_M)
+    tl.store(sorted_pair_ids_ptr + pad, num_pairs, mask=pad < end)
+    for b0 in range(start // BLOCK_M, end // BLOCK_M, BLOCK_P):
+        tl.store(block_expert_ptr + b0 + offs, expert, mask=b0 + offs < end // BLOCK_M)
+    if expert == num_experts - 1:  # the last run's program: padding and no expert past all runs
+        for row in range(end, max_blocks * BLOCK_M, BLOCK_P):
+            tl.store(sorted_pair_ids_ptr + row + offs, num_pairs, mask=row + offs < max_blocks * BLOCK_M)
+        for b0 in range(end // BLOCK_M, max_blocks, BLOCK_P):
+            tl.store(block_expert_ptr + b0 + offs, -1, mask=b0 + offs < max_blocks)
+
+
 def align_pairs_by_expert(expert_ids: torch.Tensor, num_experts: int,
                           block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """expert_ids [T, slots] -> (sorted_pair_ids [max_blocks * block_m], block_expert [max_blocks]):
     the pair ids (token * slots + slot) grouped by expert, each expert's run padded with T * slots to whole blocks
     of block_m, then more padding to the bound; the expert of each block, -1 past the last used one.
-    Plain torch on the device, with no host sync, in shapes that depend only on T and slots."""
-    pair_expert = expert_ids.flatten()  # [P], P = T * slots pairs
-    num_pairs = pair_expert.numel()
-    order = pair_expert.argsort(stable=True)  # [P]: pair ids by expert, in pair order within one
-    sorted_experts = pair_expert[order]
-    experts = torch.arange(num_experts, device=expert_ids.device)
-    first = torch.searchsorted(sorted_experts, experts)  # [E]: where each expert's pairs start in `order`
-    count = torch.searchsorted(sorted_experts, experts, right=True) - first
-    padded = (count + block_m - 1) // block_m * block_m  # [E]: rows of each expert's blocks
-    padded_first = padded.cumsum(0) - padded  # [E]: first row of each expert's blocks
-    rank = torch.arange(num_pairs, device=expert_ids.device) - first[sorted_experts]  # [P]: place in its expert's run
+    One launch, a program per expert, no host sync, in shapes that depend only on T and slots."""
+    assert expert_ids.is_contiguous()
+    num_pairs = expert_ids.numel()
     max_blocks = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m)
-    sorted_pair_ids = pair_expert.new_full((max_blocks * block_m,), num_pairs)
-    sorted_pair_ids[padded_first[sorted_experts] + rank] = order
-    # A used block starts with a real pair (padding only ends a run), and the sentinel maps to -1.
-    expert_or_none = torch.cat([pair_expert, pair_expert.new_full((1,), -1)])  # [P + 1]
-    return sorted_pair_ids, expert_or_none[sorted_pair_ids[::block_m]]
+    sorted_pair_ids = expert_ids.new_empty(max_blocks * block_m)  # every entry is written
+    block_expert = expert_ids.new_empty(max_blocks)
+    _align_kernel[(num_experts,)](expert_ids, sorted_pair_ids, block_expert, num_pairs, num_experts, max_blocks,
+                                  BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_P=64)
+    return sorted_pair_ids, block_expert
 
 
 def fused_moe_config(num_tokens: int, top_k: int, num_experts: int, num_shared: int = 0) -> dict:

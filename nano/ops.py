@@ -1,13 +1,14 @@
-"""The per-token ops the models call, and the one place that decides how each one runs.
+"""The ops the models call, attention apart, and the one place that decides how each one runs.
 
-model.py, rope.py and deepseek.py call `ops.fused_add_rms_norm` (and `ops.rms_norm`, the same with
-nothing to add), `ops.silu_and_mul`, `ops.apply_rope_` and `ops.route` without asking where they
-run. Each has two implementations:
-the Triton kernel of the same name for CUDA tensors (one launch each, the router two: triton_ops.py
-says why that matters), and the plain torch below for any other. The torch version is what a CPU run computes and
-the truth the kernel tests compare against (`op.reference`). The device of the op's first tensor
-decides, here and nowhere else. triton is imported on the first call with a CUDA tensor: it is not a
-runtime dependency (the CUDA build of torch brings its own), and a CPU run never imports it.
+model.py, rope.py and deepseek.py call `ops.linear`, `ops.fused_add_rms_norm` (and `ops.rms_norm`,
+the same with nothing to add), `ops.silu_and_mul`, `ops.apply_rope_` and `ops.route` without asking
+where they run. Each has two implementations: the Triton kernel of the same name for CUDA tensors
+(triton_ops.py says what each gains: fewer launches, or for `linear` at one row, faster reads of the
+weight than cuBLAS's), and the plain torch below for any other. The torch version is what a CPU
+run computes and the truth the kernel tests compare against (`op.reference`). The device of the
+op's first tensor decides, here and nowhere else. triton is imported on the first call with a CUDA
+tensor: it is not a runtime dependency (the CUDA build of torch brings its own), and a CPU run never
+imports it.
 `kernels()` hands out the kernel modules the same way to code that runs a kernel itself: MoE's
 "matvec" and "fused" forms (deepseek.py), which only a CUDA run picks.
 """
@@ -33,6 +34,12 @@ def _triton_on_cuda(reference):
 
     op.reference = reference
     return op
+
+
+@_triton_on_cuda
+def linear(x, weight, bias=None):
+    """x [T, in] -> x weight^T + bias [T, out]."""
+    return F.linear(x, weight, bias)
 
 
 @_triton_on_cuda

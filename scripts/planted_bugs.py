@@ -64,7 +64,7 @@ BUGS = [
         "(self.w13, (slice(half + first - inter * (width > inter), half + first + width - inter * (width > inter)),))",
         [DEEPSEEK_MLA]),
     Bug("qwen2: the q/k/v bias dropped", "nano/model.py",
-        "return F.linear(x, self.weight, self.bias)", "return F.linear(x, self.weight)",
+        "return ops.linear(x, self.weight, self.bias)", "return ops.linear(x, self.weight)",
         ["tests/test_llama_parity.py::test_prefill_and_decode_match_hf[qwen2-bias]"]),
     Bug("qwen3: the query's per-head norm skipped", "nano/model.py",
         "q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)", "q = q",

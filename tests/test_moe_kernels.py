@@ -85,7 +85,7 @@ def test_matvecs(inter, hidden, dtype):
     check_matvecs(num_tokens=4, slots=3, num_experts=5, inter=inter, hidden=hidden, dtype=dtype)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 5, 33, 200])
+@pytest.mark.parametrize("num_tokens", [1, 5, 33, 200, 1000])  # 1000: runs of over 64 blocks of 4
 @pytest.mark.parametrize("block_m", [4, 16])
 def test_align_pairs_by_expert(num_tokens, block_m):
     """Against a layout built pair by pair: each expert's pairs in pair order, padded with the

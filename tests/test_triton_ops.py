@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from nano import ops
 from nano.rope import RotaryEmbedding
-from nano.triton_ops import apply_rope_, fused_add_rms_norm, route, silu_and_mul
+from nano.triton_ops import apply_rope_, fused_add_rms_norm, linear, route, silu_and_mul
 from tests.helpers import DEVICE, DTYPES, assert_close, gpu, nan_allocations, randn
 
 DEEPSEEK_YARN = {"rope_type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
@@ -147,6 +147,23 @@ def test_route(num_tokens, hidden, num_experts, top_k, num_shared, renormalize):
     check_route(num_tokens, hidden, num_experts, top_k, num_shared, renormalize, torch.float16)
 
 
+def check_linear(out_features: int, in_features: int, dtype: torch.dtype, bias: bool):
+    """The one-row mat-vec against a float32 matmul, x a row of a wider tensor; two rows go to torch."""
+    x = randn(2, in_features + 8, dtype=dtype)[:, :in_features]
+    weight = randn(out_features, in_features, dtype=dtype) / in_features**0.5
+    b = randn(out_features, dtype=dtype) if bias else None
+    with nan_allocations():
+        out = linear(x[:1], weight, b)
+    assert_close(out, F.linear(x[:1].float(), weight.float(), None if b is None else b.float()).to(dtype))
+    assert torch.equal(linear(x, weight, b), F.linear(x, weight, b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("out_features, in_features, bias", [(37, 2100, False), (8, 64, True)])  # K past 2 steps
+def test_linear(out_features, in_features, bias, dtype):
+    check_linear(out_features, in_features, dtype, bias)
+
+
 # ---------------------------------------------------------------- GPU, Llama-3-8B sizes (the router: DeepSeek-V2-Lite), bfloat16
 
 
@@ -172,3 +189,9 @@ def test_gpu_rope(num_tokens):
 @pytest.mark.parametrize("num_tokens", [1, 7, 160, 1000])
 def test_gpu_route(num_tokens):  # DeepSeek-V2-Lite's router
     check_route(num_tokens, 2048, 64, 6, 2, renormalize=False, dtype=torch.bfloat16)
+
+
+@gpu
+@pytest.mark.parametrize("out_features, in_features", [(6144, 4096), (4096, 14336), (2048, 10944)])
+def test_gpu_linear(out_features, in_features):  # Llama-3-8B's q/k/v and down_proj, DeepSeek's dense down_proj
+    check_linear(out_features, in_features, torch.bfloat16, bias=False)
