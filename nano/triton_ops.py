@@ -260,17 +260,21 @@ LINEAR_BLOCK_N, LINEAR_BLOCK_K = 4, 1024  # the mat-vec's tile (the module lesso
 
 
 @triton.jit
-def _matvec_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, w_row_stride,
-                   HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _matvec_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, w_row_stride, HAS_BIAS: tl.constexpr,
+                   WHOLE_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
     in_rows = rows < N
     w_tile = w_ptr + rows[:, None].to(tl.int64) * w_row_stride + cols[None, :]  # [BLOCK_N, BLOCK_K]
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        in_k = k0 + cols < K
-        x = tl.load(x_ptr + k0 + cols, mask=in_k, other=0.0).to(tl.float32)
-        acc += tl.load(w_tile + k0, mask=in_rows[:, None] & in_k[None, :], other=0.0).to(tl.float32) * x[None, :]
+        if WHOLE_TILES:  # no masks to check
+            x, w = tl.load(x_ptr + k0 + cols), tl.load(w_tile + k0)
+        else:
+            in_k = k0 + cols < K
+            x = tl.load(x_ptr + k0 + cols, mask=in_k, other=0.0)
+            w = tl.load(w_tile + k0, mask=in_rows[:, None] & in_k[None, :], other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)  # [BLOCK_N]
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
@@ -286,5 +290,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     out = torch.empty((1, out_features), dtype=x.dtype, device=x.device)  # [1, out]
     _matvec_kernel[(triton.cdiv(out_features, LINEAR_BLOCK_N),)](
         x, weight, bias if has_bias else weight, out, out_features, in_features, weight.stride(0),
-        HAS_BIAS=has_bias, BLOCK_N=LINEAR_BLOCK_N, BLOCK_K=LINEAR_BLOCK_K, num_warps=4)
+        HAS_BIAS=has_bias, WHOLE_TILES=out_features % LINEAR_BLOCK_N == 0 and in_features % LINEAR_BLOCK_K == 0,
+        BLOCK_N=LINEAR_BLOCK_N, BLOCK_K=LINEAR_BLOCK_K, num_warps=4)
     return out

@@ -159,7 +159,7 @@ def check_linear(out_features: int, in_features: int, dtype: torch.dtype, bias: 
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("out_features, in_features, bias", [(37, 2100, False), (8, 64, True)])  # K past 2 steps
+@pytest.mark.parametrize("out_features, in_features, bias", [(37, 2100, False), (8, 64, True), (12, 2048, False)])  # partial and whole tiles
 def test_linear(out_features, in_features, bias, dtype):
     check_linear(out_features, in_features, dtype, bias)
 
