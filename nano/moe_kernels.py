@@ -51,7 +51,7 @@ registers; at batch 1, 128 programs. Either way all of an H200's 132 multiproces
 kilobytes in flight: what streaming at full bandwidth takes. Both products of one layer at batch 1
 take 44 us, 3.2 TB/s (BENCHMARKS.md).
 
-Everything larger (decode batches with more pairs than experts, prefill): `fused_moe_matmul`, a
+Everything larger (decode batches with more pairs than half the experts, prefill): `fused_moe_matmul`, a
 grouped matmul in the style of vLLM's and SGLang's fused_moe. With several pairs per expert the
 work is matrix multiplication again, expert e's weights times the rows of its pairs, so:
 1. `align_pairs_by_expert` sorts the pair ids by expert, on the device, and lays them out in

@@ -3,8 +3,9 @@ a MoE layer sees (decode batches and prefill), and print the fastest beside the 
 Usage: python scripts/tune_fused_moe.py [--sweep] [TOKENS ...] (without --sweep: only nano's tiles)
 
 Each case is one layer's experts: 6 of 64 routed experts per token, at random, plus the 2 shared
-ones every token uses (moe_kernels.py), each of width 1408 on hidden 2048. Up to 8 tokens the
-mat-vec form runs (gate_up_matvec, then down_matvec); from 16 the grouped matmul (the up/gate
+ones every token uses (moe_kernels.py), each of width 1408 on hidden 2048. Up to 8 tokens both
+forms are timed (nano runs the mat-vec form, gate_up_matvec then down_matvec, up to 4); from 16
+only the grouped matmul (the up/gate
 product, N = 2 * 1408, K = 2048, and the down product, N = 2048, K = 1408, with the pairs'
 alignment). The bandwidth column is the bytes of the experts the routing touched, read once, over
 the time of both products.

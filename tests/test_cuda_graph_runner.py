@@ -55,8 +55,8 @@ def test_padding_to_the_graph_size_changes_no_choice():
     max_bs, sizes = 160, capture_batch_sizes(160)
     llama, deepseek = load_config(SHIPPED_CONFIGS / "llama-3-8b"), load_config(SHIPPED_CONFIGS / "deepseek-v2-lite")
     with torch.device("meta"):  # only shapes are needed: nothing is allocated
-        # V2-Lite's threshold (66 experts / 8 slots) falls on a bucket's edge; with 4 of 64 routed it
-        # falls inside one (11 tokens, in bucket 16), where a rounding in one place only would show
+        # V2-Lite's threshold (66 experts / 16 pair-halves) falls on a bucket's edge; with 4 of 64 routed
+        # it falls inside one (5 tokens, in bucket 8), where a rounding in one place only would show
         moes = [MoE(deepseek), MoE(replace(deepseek, num_experts_per_tok=4))]
     req_to_token = torch.zeros(max_bs, 8, dtype=torch.int32)
     backends = [TritonAttnBackend(KVPool(cfg, 2, torch.bfloat16, "cpu", use_mla=True), req_to_token, max_bs,
