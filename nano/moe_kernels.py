@@ -58,8 +58,9 @@ work is matrix multiplication again, expert e's weights times the rows of its pa
    blocks of BLOCK_M: each block holds pairs of one expert, and an expert's last block is padded
    with a sentinel id (T * slots). It also names each block's expert (-1 for blocks left unused).
    It is a counting sort, one program per expert: count every expert's pairs, so the expert's run
-   starts after the padded runs before it, then place its own pairs in pair order. (Torch's
-   argsort, searchsorted and scatter took ten launches and 40 us a layer at 160 tokens.)
+   starts after the padded runs before it, then place its own pairs in pair order. At 160 tokens
+   it takes 29 us a layer, where torch's argsort, searchsorted, gathers and scatter took about
+   15 launches and 60 us; walking the pairs 64 at a time, it is bound by latency, not bytes.
 2. One launch, grid (blocks, N / BLOCK_N): program (b, n) gathers its block's BLOCK_M input rows
    (row = pair // slots when the input has one row per token, as the up/gate projection's does;
    row = pair when it has one per pair, as the down projection's), multiplies them by its
