@@ -59,8 +59,9 @@ work is matrix multiplication again, expert e's weights times the rows of its pa
    with a sentinel id (T * slots). It also names each block's expert (-1 for blocks left unused).
    It is a counting sort, one program per expert: count every expert's pairs, so the expert's run
    starts after the padded runs before it, then place its own pairs in pair order. At 160 tokens
-   it takes 29 us a layer, where torch's argsort, searchsorted, gathers and scatter took about
-   15 launches and 60 us; walking the pairs 64 at a time, it is bound by latency, not bytes.
+   it takes 29 us a layer, where torch's argsort, searchsorted, gathers and scatter take about
+   15 launches and 60 us. But every program walks all the pairs, 64 at a time, so its time grows
+   with them: a long prefill's tens of thousands of pairs go through torch's sort instead.
 2. One launch, grid (blocks, N / BLOCK_N): program (b, n) gathers its block's BLOCK_M input rows
    (row = pair // slots when the input has one row per token, as the up/gate projection's does;
    row = pair when it has one per pair, as the down projection's), multiplies them by its
@@ -213,20 +214,45 @@ def _align_kernel(ids_ptr, sorted_pair_ids_ptr, block_expert_ptr, num_pairs, num
             tl.store(block_expert_ptr + b0 + offs, -1, mask=b0 + offs < max_blocks)
 
 
+# The most pairs the alignment kernel takes: every decode batch (256 tokens of 8 slots). Its programs
+# each walk all pairs, so its time grows with them; a long prefill's pairs go through torch's sort.
+ALIGN_KERNEL_PAIRS = 2048
+
+
 def align_pairs_by_expert(expert_ids: torch.Tensor, num_experts: int,
                           block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """expert_ids [T, slots] -> (sorted_pair_ids [max_blocks * block_m], block_expert [max_blocks]):
     the pair ids (token * slots + slot) grouped by expert, each expert's run padded with T * slots to whole blocks
     of block_m, then more padding to the bound; the expert of each block, -1 past the last used one.
-    One launch, a program per expert, no host sync, in shapes that depend only on T and slots."""
+    No host sync, in shapes that depend only on T and slots: one launch up to ALIGN_KERNEL_PAIRS
+    pairs, torch beyond."""
     assert expert_ids.is_contiguous()
     num_pairs = expert_ids.numel()
     max_blocks = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m)
+    if num_pairs > ALIGN_KERNEL_PAIRS:
+        return _align_with_torch(expert_ids.flatten(), num_experts, block_m, max_blocks)
     sorted_pair_ids = expert_ids.new_empty(max_blocks * block_m)  # every entry is written
     block_expert = expert_ids.new_empty(max_blocks)
     _align_kernel[(num_experts,)](expert_ids, sorted_pair_ids, block_expert, num_pairs, num_experts, max_blocks,
                                   BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_P=64)
     return sorted_pair_ids, block_expert
+
+
+def _align_with_torch(pair_expert: torch.Tensor, num_experts: int, block_m: int, max_blocks: int):
+    num_pairs = pair_expert.numel()
+    order = pair_expert.argsort(stable=True)  # [P]: pair ids by expert, in pair order within one
+    sorted_experts = pair_expert[order]
+    experts = torch.arange(num_experts, device=pair_expert.device)
+    first = torch.searchsorted(sorted_experts, experts)  # [E]: where each expert's pairs start in `order`
+    count = torch.searchsorted(sorted_experts, experts, right=True) - first
+    padded = (count + block_m - 1) // block_m * block_m  # [E]: rows of each expert's blocks
+    padded_first = padded.cumsum(0) - padded  # [E]: first row of each expert's blocks
+    rank = torch.arange(num_pairs, device=pair_expert.device) - first[sorted_experts]  # [P]: place in its run
+    sorted_pair_ids = pair_expert.new_full((max_blocks * block_m,), num_pairs)
+    sorted_pair_ids[padded_first[sorted_experts] + rank] = order
+    # A used block starts with a real pair (padding only ends a run), and the sentinel maps to -1.
+    expert_or_none = torch.cat([pair_expert, pair_expert.new_full((1,), -1)])  # [P + 1]
+    return sorted_pair_ids, expert_or_none[sorted_pair_ids[::block_m]]
 
 
 def fused_moe_config(num_tokens: int, top_k: int, num_experts: int, num_shared: int = 0) -> dict:

@@ -20,6 +20,7 @@ from nano.cli import SHIPPED_CONFIGS
 from nano.config import load_config
 from nano.deepseek import MoE
 from nano.moe_kernels import (
+    ALIGN_KERNEL_PAIRS,
     align_pairs_by_expert,
     down_matvec,
     fused_moe_config,
@@ -85,12 +86,13 @@ def test_matvecs(inter, hidden, dtype):
     check_matvecs(num_tokens=4, slots=3, num_experts=5, inter=inter, hidden=hidden, dtype=dtype)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 5, 33, 200, 1000])  # 1000: runs of over 64 blocks of 4
+@pytest.mark.parametrize("num_tokens", [1, 5, 33, 200, 682, 1000])  # 682: the kernel, at its most; 1000: torch
 @pytest.mark.parametrize("block_m", [4, 16])
 def test_align_pairs_by_expert(num_tokens, block_m):
     """Against a layout built pair by pair: each expert's pairs in pair order, padded with the
     sentinel to whole blocks, experts in order; then padding up to the bound, blocks of expert -1."""
     num_experts, top_k = 8, 3
+    assert 682 * top_k <= ALIGN_KERNEL_PAIRS < 1000 * top_k  # both ways are tested
     ids = random_expert_ids(num_tokens, top_k, num_experts, unused_expert=2)
     num_pairs = ids.numel()
     layout, block_experts = [], []
