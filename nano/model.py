@@ -77,7 +77,7 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(intermediate, hidden)
 
     def forward(self, x):
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))  # gate_up [T, 2I] -> [T, I]
+        return self.down_proj(ops.linear_silu_and_mul(x, self.gate_up_proj.weight))  # [T, I] between
 
 
 class LlamaAttention(nn.Module):

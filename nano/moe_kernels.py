@@ -57,11 +57,12 @@ work is matrix multiplication again, expert e's weights times the rows of its pa
 1. `align_pairs_by_expert` sorts the pair ids by expert, on the device, and lays them out in
    blocks of BLOCK_M: each block holds pairs of one expert, and an expert's last block is padded
    with a sentinel id (T * slots). It also names each block's expert (-1 for blocks left unused).
-   It is a counting sort, one program per expert: count every expert's pairs, so the expert's run
-   starts after the padded runs before it, then place its own pairs in pair order. At 160 tokens
-   it takes 29 us a layer, where torch's argsort, searchsorted, gathers and scatter take about
-   15 launches and 60 us. But every program walks all the pairs, 64 at a time, so its time grows
-   with them: a long prefill's tens of thousands of pairs go through torch's sort instead.
+   It is a counting sort, one program per expert: count every expert's pairs (`tl.histogram`,
+   1,024 pairs a step), so the expert's run starts after the padded runs before it, then place
+   its own pairs in pair order. Every program walks all the pairs twice: on an H200 that is 3 us
+   a layer up to 128 tokens and 4 us at 160, where torch's argsort, searchsorted, gathers and
+   scatter take about 15 launches and 40-70 us; a prefill of 20,480 tokens takes 0.26 ms a layer
+   (torch: 0.13), about 1% of that prefill (BENCHMARKS.md).
 2. One launch, grid (blocks, N / BLOCK_N): program (b, n) gathers its block's BLOCK_M input rows
    (row = pair // slots when the input has one row per token, as the up/gate projection's does;
    row = pair when it has one per pair, as the down projection's), multiplies them by its
@@ -181,16 +182,21 @@ def down_matvec(h: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor,
     return out
 
 
+# The pairs the alignment walks a step: 1,024 ids are 8 a thread of its 8 warps.
+ALIGN_BLOCK_P = 1024
+
+
 @triton.jit
 def _align_kernel(ids_ptr, sorted_pair_ids_ptr, block_expert_ptr, num_pairs, num_experts, max_blocks,
                   BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr):
     expert = tl.program_id(0)
     experts, offs = tl.arange(0, BLOCK_E), tl.arange(0, BLOCK_P)
     # Every expert's pair count: each program counts them all, as its run starts after the others'.
+    # Past the last pair, ids read as num_experts: a bin after every expert's (BLOCK_E > num_experts).
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     for p0 in range(0, num_pairs, BLOCK_P):
-        ids = tl.load(ids_ptr + p0 + offs, mask=p0 + offs < num_pairs, other=-1)
-        counts += tl.sum((ids[None, :] == experts[:, None]).to(tl.int32), axis=1)
+        ids = tl.load(ids_ptr + p0 + offs, mask=p0 + offs < num_pairs, other=num_experts)
+        counts += tl.histogram(ids.to(tl.int32), BLOCK_E)
     padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M  # [BLOCK_E]: rows of each expert's blocks
     mine = experts == expert
     start = tl.sum(tl.where(mine, tl.cumsum(padded, axis=0) - padded, 0))  # this expert's first row
@@ -214,45 +220,21 @@ def _align_kernel(ids_ptr, sorted_pair_ids_ptr, block_expert_ptr, num_pairs, num
             tl.store(block_expert_ptr + b0 + offs, -1, mask=b0 + offs < max_blocks)
 
 
-# The most pairs the alignment kernel takes: every decode batch (256 tokens of 8 slots). Its programs
-# each walk all pairs, so its time grows with them; a long prefill's pairs go through torch's sort.
-ALIGN_KERNEL_PAIRS = 2048
-
-
 def align_pairs_by_expert(expert_ids: torch.Tensor, num_experts: int,
                           block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """expert_ids [T, slots] -> (sorted_pair_ids [max_blocks * block_m], block_expert [max_blocks]):
     the pair ids (token * slots + slot) grouped by expert, each expert's run padded with T * slots to whole blocks
     of block_m, then more padding to the bound; the expert of each block, -1 past the last used one.
-    No host sync, in shapes that depend only on T and slots: one launch up to ALIGN_KERNEL_PAIRS
-    pairs, torch beyond."""
+    One launch, no host sync, in shapes that depend only on T and slots."""
     assert expert_ids.is_contiguous()
     num_pairs = expert_ids.numel()
     max_blocks = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m)
-    if num_pairs > ALIGN_KERNEL_PAIRS:
-        return _align_with_torch(expert_ids.flatten(), num_experts, block_m, max_blocks)
     sorted_pair_ids = expert_ids.new_empty(max_blocks * block_m)  # every entry is written
     block_expert = expert_ids.new_empty(max_blocks)
     _align_kernel[(num_experts,)](expert_ids, sorted_pair_ids, block_expert, num_pairs, num_experts, max_blocks,
-                                  BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_P=64)
+                                  BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts + 1),
+                                  BLOCK_P=ALIGN_BLOCK_P, num_warps=8)
     return sorted_pair_ids, block_expert
-
-
-def _align_with_torch(pair_expert: torch.Tensor, num_experts: int, block_m: int, max_blocks: int):
-    num_pairs = pair_expert.numel()
-    order = pair_expert.argsort(stable=True)  # [P]: pair ids by expert, in pair order within one
-    sorted_experts = pair_expert[order]
-    experts = torch.arange(num_experts, device=pair_expert.device)
-    first = torch.searchsorted(sorted_experts, experts)  # [E]: where each expert's pairs start in `order`
-    count = torch.searchsorted(sorted_experts, experts, right=True) - first
-    padded = (count + block_m - 1) // block_m * block_m  # [E]: rows of each expert's blocks
-    padded_first = padded.cumsum(0) - padded  # [E]: first row of each expert's blocks
-    rank = torch.arange(num_pairs, device=pair_expert.device) - first[sorted_experts]  # [P]: place in its run
-    sorted_pair_ids = pair_expert.new_full((max_blocks * block_m,), num_pairs)
-    sorted_pair_ids[padded_first[sorted_experts] + rank] = order
-    # A used block starts with a real pair (padding only ends a run), and the sentinel maps to -1.
-    expert_or_none = torch.cat([pair_expert, pair_expert.new_full((1,), -1)])  # [P + 1]
-    return sorted_pair_ids, expert_or_none[sorted_pair_ids[::block_m]]
 
 
 def fused_moe_config(num_tokens: int, top_k: int, num_experts: int, num_shared: int = 0) -> dict:

@@ -1,10 +1,11 @@
 """The ops the models call, attention apart, and the one place that decides how each one runs.
 
 model.py, rope.py and deepseek.py call `ops.linear`, `ops.fused_add_rms_norm` (and `ops.rms_norm`,
-the same with nothing to add), `ops.silu_and_mul`, `ops.apply_rope_` and `ops.route` without asking
-where they run. Each has two implementations: the Triton kernel of the same name for CUDA tensors
-(triton_ops.py says what each gains: fewer launches, or for `linear` at one row, faster reads of the
-weight than cuBLAS's), and the plain torch below for any other. The torch version is what a CPU
+the same with nothing to add), `ops.silu_and_mul` (and `ops.linear_silu_and_mul`, the two in a
+row), `ops.apply_rope_` and `ops.route` without asking where they run. Each has two
+implementations: the Triton kernel of the same name for CUDA tensors (triton_ops.py says what each
+gains: fewer launches, or for `linear` at one row, faster reads of the weight than cuBLAS's), and
+the plain torch below for any other. The torch version is what a CPU
 run computes and the truth the kernel tests compare against (`op.reference`). The device of the
 op's first tensor decides, here and nowhere else. triton is imported on the first call with a CUDA
 tensor: it is not a runtime dependency (the CUDA build of torch brings its own), and a CPU run never
@@ -61,6 +62,12 @@ def silu_and_mul(gate_up):
     """gate_up [T, 2I] (gate in the first I columns, up in the rest) -> silu(gate) * up [T, I]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+@_triton_on_cuda
+def linear_silu_and_mul(x, gate_up_weight):
+    """x [T, in], gate_up_weight [2I, in] (gate rows, then up rows) -> silu_and_mul(linear) [T, I]."""
+    return silu_and_mul.reference(linear.reference(x, gate_up_weight))
 
 
 @_triton_on_cuda

@@ -1,5 +1,5 @@
 """Fused per-token kernels: residual add + RMSNorm, SiLU-and-multiply, rope (one launch each) and
-MoE routing (two); and the linear layer of a single row.
+MoE routing (two); and the linear layer of a single row, alone or with SiLU-and-multiply.
 
 Besides its matmuls and attention, a decoder layer does a few small things to each token on its
 own: two RMSNorms, two residual adds, the MLP's gate activation, and rope on q and k. Written in
@@ -20,7 +20,7 @@ How each kernel splits the work:
   loaded once and broadcast over heads. It writes in place.
 - silu_and_mul: a grid of (token, block of columns) over the [T, I] output; a program reads its
   columns of gate and the same columns of up, I elements further along the row.
-- route (a MoE router, deepseek.py): a grid of (16 tokens, 128 hidden channels) computes partial
+- route (a MoE router, deepseek.py): a grid of (4 tokens, 128 hidden channels) computes partial
   float32 logits, so even one token's router weight is read by many programs; then one program
   per token adds its partials up in a fixed order, takes the softmax and the top k, and appends
   the shared experts.
@@ -30,6 +30,9 @@ How each kernel splits the work:
   has its loads in flight at once and nothing else to do, so it reads weights faster than
   cuBLAS's kernels for one row: 3.5 against 3.1 TB/s for Llama-3-8B's fused q/k/v, 3.2 against
   2.5 for its o_proj (BENCHMARKS.md). More rows go to cuBLAS: there the matrix units pay.
+  `linear_silu_and_mul` is the MLP's gate/up projection in the same kernel: a program reads 2
+  gate rows and the 2 up rows that go with them, side by side in one loop, and stores
+  silu(gate) * up, so at batch 1 the SiLU-and-mul kernel is gone.
 
 Arithmetic is in float32, rounded to the activation dtype where the HF reference rounds, so bf16
 results match torch's to the bit or nearly. The kernels take each tensor's row (token, head)
@@ -179,10 +182,11 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# The router's logits in float32: a program per chunk of 128 hidden channels and block of 16 tokens,
+# The router's logits in float32: a program per chunk of 128 hidden channels and block of 4 tokens,
 # so at batch 1 the 0.5 MB float32 weight (DeepSeek-V2-Lite) is read by 16 programs at once instead
-# of one, and a long prompt reads each chunk once per 16 tokens. _route_kernel adds the chunks up.
-ROUTER_BLOCK_T, ROUTER_BLOCK_H = 16, 128
+# of one. A program walks its tokens one after another: 4 rather than 16 took DeepSeek's router from
+# 14.4 to 9.9 us a layer at 160 tokens (scripts/moe_bookkeeping_probe.py). _route_kernel adds the chunks up.
+ROUTER_BLOCK_T, ROUTER_BLOCK_H = 4, 128
 
 
 @triton.jit
@@ -260,36 +264,66 @@ LINEAR_BLOCK_N, LINEAR_BLOCK_K = 4, 1024  # the mat-vec's tile (the module lesso
 
 
 @triton.jit
-def _matvec_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, w_row_stride, HAS_BIAS: tl.constexpr,
+def load_tile(ptrs, mask, WHOLE_TILES: tl.constexpr):
+    """tl.load of a tile, masked with 0 outside the tensor, unless the tiles cover it exactly: the
+    mat-vecs read memory as fast as they can issue loads, and unmasked ones take fewer instructions."""
+    if WHOLE_TILES:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _matvec_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, w_row_stride, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                    WHOLE_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
     in_rows = rows < N
     w_tile = w_ptr + rows[:, None].to(tl.int64) * w_row_stride + cols[None, :]  # [BLOCK_N, BLOCK_K]
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    up_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # GATED: acc is gate's rows, these up's
     for k0 in range(0, K, BLOCK_K):
-        if WHOLE_TILES:  # no masks to check
-            x, w = tl.load(x_ptr + k0 + cols), tl.load(w_tile + k0)
-        else:
-            in_k = k0 + cols < K
-            x = tl.load(x_ptr + k0 + cols, mask=in_k, other=0.0)
-            w = tl.load(w_tile + k0, mask=in_rows[:, None] & in_k[None, :], other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        in_k = k0 + cols < K
+        mask = in_rows[:, None] & in_k[None, :]
+        x = load_tile(x_ptr + k0 + cols, in_k, WHOLE_TILES).to(tl.float32)[None, :]
+        acc += load_tile(w_tile + k0, mask, WHOLE_TILES).to(tl.float32) * x
+        if GATED:  # up's rows are N rows further on
+            up_acc += load_tile(w_tile + N * w_row_stride + k0, mask, WHOLE_TILES).to(tl.float32) * x
     y = tl.sum(acc, axis=1)  # [BLOCK_N]
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
+    if GATED:  # rounded where the linear's output is, then silu(gate) * up in float32
+        gate, up = y.to(out_ptr.dtype.element_ty).to(tl.float32), tl.sum(up_acc, axis=1).to(out_ptr.dtype.element_ty)
+        y = gate * tl.sigmoid(gate) * up.to(tl.float32)
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=in_rows)
+
+
+def _matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool) -> torch.Tensor:
+    """x [1, in] -> x weight^T + bias [1, out], or with `gated` (weight: out gate rows, then out up
+    rows) silu(x gate^T) * (x up^T) [1, out]: then a program reads half as many rows of each."""
+    out_features, in_features = weight.shape[0] // (2 if gated else 1), weight.shape[1]
+    assert x.stride(-1) == 1 and weight.stride(-1) == 1 and x.shape == (1, in_features)
+    out = torch.empty((1, out_features), dtype=x.dtype, device=x.device)  # [1, out]
+    block_n = LINEAR_BLOCK_N // 2 if gated else LINEAR_BLOCK_N
+    _matvec_kernel[(triton.cdiv(out_features, block_n),)](
+        x, weight, weight if bias is None else bias, out, out_features, in_features, weight.stride(0),
+        HAS_BIAS=bias is not None, GATED=gated,
+        WHOLE_TILES=out_features % block_n == 0 and in_features % LINEAR_BLOCK_K == 0,
+        BLOCK_N=block_n, BLOCK_K=LINEAR_BLOCK_K, num_warps=4)
+    return out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, in] -> x weight^T + bias [T, out]: the mat-vec kernel for one row, cuBLAS for more."""
     if x.dim() != 2 or x.shape[0] != 1:
         return F.linear(x, weight, bias)
-    (out_features, in_features), has_bias = weight.shape, bias is not None
-    assert x.stride(-1) == 1 and weight.stride(-1) == 1 and x.shape[1] == in_features
-    out = torch.empty((1, out_features), dtype=x.dtype, device=x.device)  # [1, out]
-    _matvec_kernel[(triton.cdiv(out_features, LINEAR_BLOCK_N),)](
-        x, weight, bias if has_bias else weight, out, out_features, in_features, weight.stride(0),
-        HAS_BIAS=has_bias, WHOLE_TILES=out_features % LINEAR_BLOCK_N == 0 and in_features % LINEAR_BLOCK_K == 0,
-        BLOCK_N=LINEAR_BLOCK_N, BLOCK_K=LINEAR_BLOCK_K, num_warps=4)
-    return out
+    return _matvec(x, weight, bias, gated=False)
+
+
+def linear_silu_and_mul(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.Tensor:
+    """x [T, in], gate_up_weight [2I, in] -> silu_and_mul(x gate_up_weight^T) [T, I]: for one row,
+    the mat-vec with SiLU-and-mul in its epilogue (one launch, no [1, 2I] round trip); cuBLAS and
+    silu_and_mul for more."""
+    if x.shape[0] != 1:
+        return silu_and_mul(F.linear(x, gate_up_weight))
+    return _matvec(x, gate_up_weight, None, gated=True)

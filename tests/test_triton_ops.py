@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from nano import ops
 from nano.rope import RotaryEmbedding
-from nano.triton_ops import apply_rope_, fused_add_rms_norm, linear, route, silu_and_mul
+from nano.triton_ops import apply_rope_, fused_add_rms_norm, linear, linear_silu_and_mul, route, silu_and_mul
 from tests.helpers import DEVICE, DTYPES, assert_close, gpu, nan_allocations, randn
 
 DEEPSEEK_YARN = {"rope_type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
@@ -141,7 +141,7 @@ def check_route(num_tokens, hidden, num_experts, top_k, num_shared, renormalize,
 
 
 @pytest.mark.parametrize("num_tokens, hidden, num_experts, top_k, num_shared",
-                         [(5, 200, 64, 6, 2), (3, 72, 10, 3, 0), (40, 130, 64, 6, 2)])  # 40: three token blocks
+                         [(5, 200, 64, 6, 2), (3, 72, 10, 3, 0), (40, 130, 64, 6, 2)])  # 40: ten token blocks
 @pytest.mark.parametrize("renormalize", [False, True], ids=["scaled", "renormalized"])
 def test_route(num_tokens, hidden, num_experts, top_k, num_shared, renormalize):
     check_route(num_tokens, hidden, num_experts, top_k, num_shared, renormalize, torch.float16)
@@ -158,10 +158,28 @@ def check_linear(out_features: int, in_features: int, dtype: torch.dtype, bias: 
     assert torch.equal(linear(x, weight, b), F.linear(x, weight, b))
 
 
+def check_linear_silu_and_mul(intermediate: int, in_features: int, dtype: torch.dtype):
+    """The gated mat-vec against a float32 matmul rounded to dtype (the gate/up output), then
+    SiLU-and-mul in float32; two rows go to torch."""
+    x = randn(2, in_features + 8, dtype=dtype)[:, :in_features]
+    weight = randn(2 * intermediate, in_features, dtype=dtype) / in_features**0.5
+    with nan_allocations():
+        out = linear_silu_and_mul(x[:1], weight)
+    gate, up = F.linear(x[:1].float(), weight.float()).to(dtype).float().chunk(2, dim=-1)
+    assert_close(out, (F.silu(gate) * up).to(dtype))
+    assert torch.equal(linear_silu_and_mul(x, weight), silu_and_mul(F.linear(x, weight)))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("out_features, in_features, bias", [(37, 2100, False), (8, 64, True), (12, 2048, False)])  # partial and whole tiles
 def test_linear(out_features, in_features, bias, dtype):
     check_linear(out_features, in_features, dtype, bias)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("intermediate, in_features", [(37, 2100), (12, 2048)])  # partial and whole tiles
+def test_linear_silu_and_mul(intermediate, in_features, dtype):
+    check_linear_silu_and_mul(intermediate, in_features, dtype)
 
 
 # ---------------------------------------------------------------- GPU, Llama-3-8B sizes (the router: DeepSeek-V2-Lite), bfloat16
@@ -195,3 +213,9 @@ def test_gpu_route(num_tokens):  # DeepSeek-V2-Lite's router
 @pytest.mark.parametrize("out_features, in_features", [(6144, 4096), (4096, 14336), (2048, 10944)])
 def test_gpu_linear(out_features, in_features):  # Llama-3-8B's q/k/v and down_proj, DeepSeek's dense down_proj
     check_linear(out_features, in_features, torch.bfloat16, bias=False)
+
+
+@gpu
+@pytest.mark.parametrize("intermediate, in_features", [(14336, 4096), (10944, 2048)])
+def test_gpu_linear_silu_and_mul(intermediate, in_features):  # Llama-3-8B's and DeepSeek's dense gate/up
+    check_linear_silu_and_mul(intermediate, in_features, torch.bfloat16)
