@@ -1,9 +1,12 @@
 """DeepSeek-V2-Lite's MoE bookkeeping on the GPU, per layer: the router (ops.route, at each tokens-per-
 program of its logits kernel) and the pairs' alignment (align_pairs_by_expert) against the torch
 sort it replaced (argsort, searchsorted, gathers, a scatter), at decode and prefill sizes.
-Each is timed in a CUDA graph of 26 calls, one per MoE layer, each with its own inputs.
-Usage: python scripts/moe_bookkeeping_probe.py"""
+Each is timed in a CUDA graph of 26 calls, one per MoE layer, each with its own inputs. With
+--against DIR, also the alignment of another tree's nano/ (DIR/nano/moe_kernels.py, e.g. a
+`git archive` of an older commit), checked equal to this one.
+Usage: python scripts/moe_bookkeeping_probe.py [--against DIR]"""
 
+import importlib.util
 import sys
 
 import torch
@@ -49,9 +52,17 @@ def align_with_torch(expert_ids, num_experts, block_m):
     return sorted_pair_ids, expert_or_none[sorted_pair_ids[::block_m]]
 
 
+def other_tree_align(directory: str):
+    spec = importlib.util.spec_from_file_location("other_moe_kernels", f"{directory}/nano/moe_kernels.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.align_pairs_by_expert
+
+
 def main():
     torch.manual_seed(0)
-    for tokens in (1, 8, 64, 160, 2048, 20480):
+    other = other_tree_align(sys.argv[sys.argv.index("--against") + 1]) if "--against" in sys.argv else None
+    for tokens in (1, 8, 32, 64, 128, 160, 256, 2048, 20480):
         x = [torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
         w = [torch.randn(E, HIDDEN, device="cuda") / 50 for _ in range(LAYERS)]
         router = []
@@ -66,8 +77,12 @@ def main():
         for i in ids[:2]:
             assert all(torch.equal(a, b) for a, b in zip(align_pairs_by_expert(i, E + SHARED, block_m),
                                                          align_with_torch(i, E + SHARED, block_m)))
-        print(f"{tokens:6d} tokens | router (us a layer): {'; '.join(router)} | alignment: kernels {kernel:.1f} us, "
-              f"torch {torch_sort:.1f} us", flush=True)
+        line = f"alignment: kernel {kernel:.1f} us, torch {torch_sort:.1f} us"
+        if other is not None:
+            assert all(torch.equal(a, b) for a, b in zip(other(ids[0], E + SHARED, block_m),
+                                                         align_with_torch(ids[0], E + SHARED, block_m)))
+            line += f", the other tree {us_per_call([lambda i=i: other(i, E + SHARED, block_m) for i in ids]):.1f} us"
+        print(f"{tokens:6d} tokens | router (us a layer): {'; '.join(router)} | {line}", flush=True)
 
 
 if __name__ == "__main__":
