@@ -77,7 +77,7 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(intermediate, hidden)
 
     def forward(self, x):
-        return self.down_proj(ops.linear_silu_and_mul(x, self.gate_up_proj.weight))  # [T, I] between
+        return self.down_proj(ops.linear_silu_and_mul(x, self.gate_up_proj.weight))  # silu(gate) * up [T, I]
 
 
 class LlamaAttention(nn.Module):

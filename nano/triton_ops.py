@@ -184,8 +184,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 # The router's logits in float32: a program per chunk of 128 hidden channels and block of 4 tokens,
 # so at batch 1 the 0.5 MB float32 weight (DeepSeek-V2-Lite) is read by 16 programs at once instead
-# of one. A program walks its tokens one after another: 4 rather than 16 took DeepSeek's router from
-# 14.4 to 9.9 us a layer at 160 tokens (scripts/moe_bookkeeping_probe.py). _route_kernel adds the chunks up.
+# of one. A program walks its tokens one after another: 4 rather than 16 took DeepSeek's router
+# from 14.4 to 9.9 us a layer at 160 tokens (scripts/moe_bookkeeping_probe.py). _route_kernel adds
+# the chunks up.
 ROUTER_BLOCK_T, ROUTER_BLOCK_H = 4, 128
 
 
@@ -264,9 +265,9 @@ LINEAR_BLOCK_N, LINEAR_BLOCK_K = 4, 1024  # the mat-vec's tile (the module lesso
 
 
 @triton.jit
-def load_tile(ptrs, mask, WHOLE_TILES: tl.constexpr):
+def _load_tile(ptrs, mask, WHOLE_TILES: tl.constexpr):
     """tl.load of a tile, masked with 0 outside the tensor, unless the tiles cover it exactly: the
-    mat-vecs read memory as fast as they can issue loads, and unmasked ones take fewer instructions."""
+    mat-vec reads memory as fast as it can issue loads, and unmasked ones take fewer instructions."""
     if WHOLE_TILES:
         return tl.load(ptrs)
     else:
@@ -285,10 +286,10 @@ def _matvec_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, w_row_stride, HAS_BIAS
     for k0 in range(0, K, BLOCK_K):
         in_k = k0 + cols < K
         mask = in_rows[:, None] & in_k[None, :]
-        x = load_tile(x_ptr + k0 + cols, in_k, WHOLE_TILES).to(tl.float32)[None, :]
-        acc += load_tile(w_tile + k0, mask, WHOLE_TILES).to(tl.float32) * x
+        x = _load_tile(x_ptr + k0 + cols, in_k, WHOLE_TILES).to(tl.float32)[None, :]
+        acc += _load_tile(w_tile + k0, mask, WHOLE_TILES).to(tl.float32) * x
         if GATED:  # up's rows are N rows further on
-            up_acc += load_tile(w_tile + N * w_row_stride + k0, mask, WHOLE_TILES).to(tl.float32) * x
+            up_acc += _load_tile(w_tile + N * w_row_stride + k0, mask, WHOLE_TILES).to(tl.float32) * x
     y = tl.sum(acc, axis=1)  # [BLOCK_N]
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
