@@ -96,7 +96,7 @@ import triton
 import triton.language as tl
 
 from nano.forward_batch import batch_bucket
-from nano.triton_ops import dot_precision
+from nano.triton_ops import PDL, dot_precision, launch_dependents, wait_for_inputs
 
 GATE_UP_BLOCK_N, GATE_UP_BLOCK_K = 16, 512  # the mat-vec kernels' tiles (the module lesson says why)
 DOWN_BLOCK_N, DOWN_BLOCK_K = 16, 128
@@ -105,6 +105,8 @@ DOWN_BLOCK_N, DOWN_BLOCK_K = 16, 128
 @triton.jit
 def _gate_up_matvec_kernel(x_ptr, w_ptr, expert_ids_ptr, out_ptr, x_stride, half_stride, expert_stride, row_stride,
                            N, K, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    launch_dependents()
+    wait_for_inputs()  # the expert ids come from the router: no weight tile is known before they are
     pair = tl.program_id(0)  # = token * SLOTS + slot
     expert = tl.load(expert_ids_ptr + pair).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -136,13 +138,16 @@ def gate_up_matvec(x: torch.Tensor, gate_up: torch.Tensor, expert_ids: torch.Ten
     out = torch.empty((num_tokens, slots, n), dtype=x.dtype, device=x.device)  # [T, slots, I]
     grid = (num_tokens * slots, triton.cdiv(n, GATE_UP_BLOCK_N))
     _gate_up_matvec_kernel[grid](x, gate_up, expert_ids, out, x.stride(0), *gate_up.stride()[:3], n, k_dim,
-                                 SLOTS=slots, BLOCK_N=GATE_UP_BLOCK_N, BLOCK_K=GATE_UP_BLOCK_K, num_warps=4)
+                                 SLOTS=slots, BLOCK_N=GATE_UP_BLOCK_N, BLOCK_K=GATE_UP_BLOCK_K, num_warps=4,
+                                 launch_pdl=PDL)
     return out
 
 
 @triton.jit
 def _down_matvec_kernel(h_ptr, w_ptr, expert_ids_ptr, pair_weights_ptr, out_ptr, expert_stride, row_stride, N, K,
                         SLOTS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    launch_dependents()
+    wait_for_inputs()
     token = tl.program_id(0).to(tl.int64)
     slots = tl.arange(0, BLOCK_S)
     in_slots = slots < SLOTS
@@ -178,7 +183,7 @@ def down_matvec(h: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor,
     grid = (num_tokens, triton.cdiv(n, DOWN_BLOCK_N))
     _down_matvec_kernel[grid](h, down, expert_ids, pair_weights, out, down.stride(0), down.stride(1), n, k_dim,
                               SLOTS=slots, BLOCK_S=triton.next_power_of_2(slots), BLOCK_N=DOWN_BLOCK_N,
-                              BLOCK_K=DOWN_BLOCK_K, num_warps=4)
+                              BLOCK_K=DOWN_BLOCK_K, num_warps=4, launch_pdl=PDL)
     return out
 
 
@@ -189,6 +194,8 @@ ALIGN_BLOCK_P = 1024
 @triton.jit
 def _align_kernel(ids_ptr, sorted_pair_ids_ptr, block_expert_ptr, num_pairs, num_experts, max_blocks,
                   BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr):
+    launch_dependents()
+    wait_for_inputs()
     expert = tl.program_id(0)
     experts, offs = tl.arange(0, BLOCK_E), tl.arange(0, BLOCK_P)
     # Every expert's pair count: each program counts them all, as its run starts after the others'.
@@ -233,7 +240,7 @@ def align_pairs_by_expert(expert_ids: torch.Tensor, num_experts: int,
     block_expert = expert_ids.new_empty(max_blocks)
     _align_kernel[(num_experts,)](expert_ids, sorted_pair_ids, block_expert, num_pairs, num_experts, max_blocks,
                                   BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts + 1),
-                                  BLOCK_P=ALIGN_BLOCK_P, num_warps=8)
+                                  BLOCK_P=ALIGN_BLOCK_P, num_warps=8, launch_pdl=PDL)
     return sorted_pair_ids, block_expert
 
 
@@ -254,6 +261,8 @@ def _fused_moe_kernel(x_ptr, w_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_p
                       num_pairs, N, K, x_row_stride, half_rows, half_stride, expert_stride, row_stride,
                       PAIRS_PER_ROW: tl.constexpr, WEIGHTED: tl.constexpr, PRECISION: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    launch_dependents()
+    wait_for_inputs()
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert < 0:  # past the used blocks: the grid is sized for the worst routing
@@ -297,5 +306,5 @@ def fused_moe_matmul(x: torch.Tensor, w: torch.Tensor, sorted_pair_ids: torch.Te
     precision = dot_precision(x.dtype)
     _fused_moe_kernel[grid](x, w, out, sorted_pair_ids, block_expert, pair_weights, num_pairs, n, k_dim, x.stride(0),
                             halves.shape[2], *halves.stride()[:3], PAIRS_PER_ROW=pairs_per_row,
-                            WEIGHTED=pair_weights is not None, PRECISION=precision, **config)
+                            WEIGHTED=pair_weights is not None, PRECISION=precision, **config, launch_pdl=PDL)
     return out

@@ -52,7 +52,7 @@ import triton.language as tl
 
 from nano.forward_batch import ForwardBatch, batch_bucket
 from nano.kv_cache import KVPool
-from nano.triton_ops import dot_precision
+from nano.triton_ops import PDL, dot_precision, launch_dependents, wait_for_inputs
 
 # The most chunks one request's tokens are split into, and so the size of the partial-result
 # buffers: max_batch_size * heads * 64 * v_dim floats (Llama-3-8B at 160 requests: 168 MB; MLA:
@@ -130,7 +130,7 @@ class TritonAttnBackend:
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             NUM_KV_HEADS=num_kv_heads, K_DIM=self.k_dim, V_DIM=self.v_dim, HAS_V=has_v,
             BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_K=triton.next_power_of_2(self.k_dim),
-            BLOCK_V=triton.next_power_of_2(self.v_dim),
+            BLOCK_V=triton.next_power_of_2(self.v_dim), launch_pdl=PDL,
         )
 
     def _extend(self, q, k, v, k_cache, v_cache, out, batch: ForwardBatch, scale: float):
@@ -145,7 +145,7 @@ class TritonAttnBackend:
             scale * LOG2E,
             GROUP=self.group, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision(q.dtype),
             **_head_dim_blocks(self.k_dim, self.v_dim),
-            num_warps=num_warps, num_stages=num_stages,
+            num_warps=num_warps, num_stages=num_stages, launch_pdl=PDL,
         )
 
     def _decode(self, q, k_cache, v_cache, out, batch: ForwardBatch, scale: float):
@@ -162,14 +162,14 @@ class TritonAttnBackend:
             scale * LOG2E,
             GROUP=self.group, BLOCK_H=max(16, triton.next_power_of_2(self.group)), BLOCK_N=block_n,
             DOT_PRECISION=dot_precision(q.dtype), **dims,
-            num_warps=num_warps, num_stages=num_stages,
+            num_warps=num_warps, num_stages=num_stages, launch_pdl=PDL,
         )
         _decode_merge_kernel[(bs, self.num_heads)](
             self.partial_out, self.partial_lse, batch.seq_lens, self.num_kv_splits, out,
             *self.partial_out.stride()[:3], *self.partial_lse.stride()[:2], out.stride(0), out.stride(1),
             V_DIM=self.v_dim, BLOCK_DV=dims["BLOCK_DV"], MAX_SPLITS=merge_block,
             # enough warps that the [MAX_SPLITS, BLOCK_DV] fp32 tile is at most 64 registers a thread
-            num_warps=min(16, max(4, merge_block * dims["BLOCK_DV"] // (32 * 64))),
+            num_warps=min(16, max(4, merge_block * dims["BLOCK_DV"] // (32 * 64))), launch_pdl=PDL,
         )
 
 
@@ -223,6 +223,8 @@ def _store_kv_kernel(
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Grid (tokens,): copy one new token's K [Hkv, K_DIM] (and V) into its slot."""
+    launch_dependents()
+    wait_for_inputs()
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(out_cache_loc + t).to(tl.int64)
     h = tl.arange(0, BLOCK_H)[:, None]
@@ -324,6 +326,8 @@ def _extend_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """Grid (batch, heads, query blocks): BLOCK_M new tokens of one request attend for one head."""
+    launch_dependents()
+    wait_for_inputs()
     b, h, m_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     extend_len = tl.load(extend_lens + b)
     first = m_block * BLOCK_M
@@ -379,6 +383,8 @@ def _decode_split_kernel(
     K_MAIN: tl.constexpr, K_ROPE: tl.constexpr, BLOCK_DR: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
+    launch_dependents()
+    wait_for_inputs()
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens + b)
     start, end = _split_range(seq_len, tl.load(num_kv_splits + b), split)
@@ -414,6 +420,8 @@ def _decode_merge_kernel(
     stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_ob, stride_oh,
     V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, MAX_SPLITS: tl.constexpr,
 ):
+    launch_dependents()
+    wait_for_inputs()
     b, h = tl.program_id(0), tl.program_id(1)
     splits = tl.arange(0, MAX_SPLITS)
     start, end = _split_range(tl.load(seq_lens + b), tl.load(num_kv_splits + b), splits)

@@ -53,6 +53,32 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+# Programmatic dependent launch (PDL, Hopper and later). Even replayed in a CUDA graph, a kernel
+# starts only when the one before it has finished: its programs are placed on the multiprocessors
+# and wait out their first loads while the GPU reads nothing, and at decode batch 1 most kernels
+# last 1-7 us, so that start is a large share of each. Launched with `launch_pdl=True`, a kernel
+# may start as soon as every program of the kernel before it has called `launch_dependents()`.
+# Every nano kernel is launched so and calls it first thing; then it loads what no kernel writes
+# (weights: a mat-vec's first weight tiles, a norm's weight), so those bytes are in flight while the
+# kernel before finishes; then `wait_for_inputs()`, which returns once that kernel has finished
+# and its writes are visible (and so everything before it), before it reads any activation or
+# writes anything. On an H200 a norm and a mat-vec in a row took 4.8 us instead of 6.3
+# (BENCHMARKS.md). Torch's kernels do neither, and one that follows a nano kernel starts as usual.
+# In Triton's interpreter and on older GPUs both calls do nothing and launches keep stream order.
+PDL = not triton.knobs.runtime.interpret and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+if PDL:
+    from triton.language.extra.cuda import gdc_launch_dependents as launch_dependents
+    from triton.language.extra.cuda import gdc_wait as wait_for_inputs
+else:
+    @triton.jit
+    def launch_dependents():
+        pass
+
+    @triton.jit
+    def wait_for_inputs():
+        pass
+
+
 # silu_and_mul's columns per program: 8 per thread of 4 warps, one 16-byte load each in bf16.
 SILU_BLOCK = 1024
 
@@ -61,9 +87,12 @@ SILU_BLOCK = 1024
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
                      x_row_stride, residual_row_stride, out_row_stride, new_residual_row_stride,
                      hidden, eps, ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     in_row = cols < hidden
+    weight = tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
+    wait_for_inputs()
     x = tl.load(x_ptr + row * x_row_stride + cols, mask=in_row, other=0.0).to(tl.float32)  # [BLOCK]
     if ADD_RESIDUAL:
         # The residual stream lives in the activation dtype: round the sum, then normalise that.
@@ -74,7 +103,6 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
     mean_square = tl.sum(x * x, axis=0) / hidden
     # HF order: normalise in float32, round to the activation dtype, then multiply by the weight.
     normed = (x * tl.rsqrt(mean_square + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
-    weight = tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * out_row_stride + cols, (weight * normed).to(out_ptr.dtype.element_ty), mask=in_row)
 
 
@@ -100,7 +128,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: t
         x, residual, weight, out, new_residual,
         x.stride(0), residual.stride(0), out.stride(0), new_residual.stride(0),
         hidden, eps, ADD_RESIDUAL=add_residual, BLOCK=block,
-        num_warps=min(max(block // 512, 1), 16),
+        num_warps=min(max(block // 512, 1), 16), launch_pdl=PDL,
     )
     return out, new_residual
 
@@ -125,6 +153,8 @@ def _rope_kernel(q_ptr, k_ptr, cos_sin_ptr, positions_ptr,
                  num_q_heads, num_k_heads,
                  HALF: tl.constexpr, HALF_BLOCK: tl.constexpr, Q_HEADS_BLOCK: tl.constexpr,
                  K_HEADS_BLOCK: tl.constexpr):
+    launch_dependents()
+    wait_for_inputs()
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token)
     dims = tl.arange(0, HALF_BLOCK)
@@ -153,13 +183,15 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, positio
         num_q_heads, k.shape[1],
         HALF=half, HALF_BLOCK=triton.next_power_of_2(half),
         Q_HEADS_BLOCK=triton.next_power_of_2(num_q_heads), K_HEADS_BLOCK=triton.next_power_of_2(k.shape[1]),
-        num_warps=4,
+        num_warps=4, launch_pdl=PDL,
     )
 
 
 @triton.jit
 def _silu_and_mul_kernel(gate_up_ptr, out_ptr, gate_up_row_stride, out_row_stride, intermediate,
                          BLOCK: tl.constexpr):
+    launch_dependents()
+    wait_for_inputs()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_row = cols < intermediate
@@ -178,7 +210,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((num_tokens, intermediate), dtype=gate_up.dtype, device=gate_up.device)  # [T, I]
     grid = (num_tokens, triton.cdiv(intermediate, SILU_BLOCK))
     _silu_and_mul_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), intermediate,
-                               BLOCK=SILU_BLOCK, num_warps=4)
+                               BLOCK=SILU_BLOCK, num_warps=4, launch_pdl=PDL)
     return out
 
 
@@ -193,12 +225,14 @@ ROUTER_BLOCK_T, ROUTER_BLOCK_H = 4, 128
 @triton.jit
 def _router_logits_kernel(x_ptr, w_ptr, partial_ptr, num_tokens, num_experts, hidden, x_row_stride,
                           BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr):
+    launch_dependents()
     first_token, chunk = tl.program_id(0).to(tl.int64) * BLOCK_T, tl.program_id(1)
     cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
     experts = tl.arange(0, BLOCK_E)
     in_cols, in_experts = cols < hidden, experts < num_experts
     w = tl.load(w_ptr + experts[:, None] * hidden + cols[None, :],
                 mask=in_experts[:, None] & in_cols[None, :], other=0.0).to(tl.float32)  # [BLOCK_E, BLOCK_H]
+    wait_for_inputs()
     for token in range(first_token, tl.minimum(first_token + BLOCK_T, num_tokens)):  # the tile stays in registers
         x = tl.load(x_ptr + token * x_row_stride + cols, mask=in_cols, other=0.0).to(tl.float32)
         partial = tl.sum(w * x[None, :], axis=1)  # [BLOCK_E]: float32 products, summed in a fixed order
@@ -210,6 +244,8 @@ def _router_logits_kernel(x_ptr, w_ptr, partial_ptr, num_tokens, num_experts, hi
 def _route_kernel(partial_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, num_chunks, routed_scaling,
                   TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr, RENORMALIZE: tl.constexpr,
                   BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    launch_dependents()
+    wait_for_inputs()
     token = tl.program_id(0).to(tl.int64)
     experts, chunks = tl.arange(0, BLOCK_E), tl.arange(0, BLOCK_C)
     partial = tl.load(partial_ptr + (chunks[:, None] * num_tokens + token) * num_experts + experts[None, :],
@@ -251,13 +287,13 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: b
     partial = torch.empty((num_chunks, num_tokens, num_experts), dtype=torch.float32, device=x.device)
     _router_logits_kernel[(triton.cdiv(num_tokens, ROUTER_BLOCK_T), num_chunks)](
         x, gate_weight, partial, num_tokens, num_experts, hidden, x.stride(0),
-        BLOCK_T=ROUTER_BLOCK_T, BLOCK_H=ROUTER_BLOCK_H, BLOCK_E=block_e, num_warps=4)
+        BLOCK_T=ROUTER_BLOCK_T, BLOCK_H=ROUTER_BLOCK_H, BLOCK_E=block_e, num_warps=4, launch_pdl=PDL)
     weights = torch.empty((num_tokens, slots), dtype=torch.float32, device=x.device)
     ids = torch.empty((num_tokens, slots), dtype=torch.int64, device=x.device)
     _route_kernel[(num_tokens,)](partial, weights, ids, num_tokens, num_experts, num_chunks, routed_scaling,
                                  TOP_K=top_k, NUM_SHARED=num_shared, RENORMALIZE=renormalize,
                                  BLOCK_C=triton.next_power_of_2(num_chunks), BLOCK_E=block_e,
-                                 BLOCK_K=triton.next_power_of_2(slots), num_warps=1)
+                                 BLOCK_K=triton.next_power_of_2(slots), num_warps=1, launch_pdl=PDL)
     return weights, ids
 
 
@@ -275,21 +311,35 @@ def _load_tile(ptrs, mask, WHOLE_TILES: tl.constexpr):
 
 
 @triton.jit
+def _weight_tiles(w_tile, up_offset, k0, K, in_rows, cols, GATED: tl.constexpr, WHOLE_TILES: tl.constexpr):
+    """The weight's [BLOCK_N, BLOCK_K] tile at column k0 and, GATED, up's tile up_offset further on."""
+    mask = in_rows[:, None] & (k0 + cols < K)[None, :]
+    w = _load_tile(w_tile + k0, mask, WHOLE_TILES).to(tl.float32)
+    up = w
+    if GATED:
+        up = _load_tile(w_tile + up_offset + k0, mask, WHOLE_TILES).to(tl.float32)
+    return w, up
+
+
+@triton.jit
 def _matvec_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, w_row_stride, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                    WHOLE_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    launch_dependents()
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
     in_rows = rows < N
     w_tile = w_ptr + rows[:, None].to(tl.int64) * w_row_stride + cols[None, :]  # [BLOCK_N, BLOCK_K]
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    up_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # GATED: acc is gate's rows, these up's
-    for k0 in range(0, K, BLOCK_K):
-        in_k = k0 + cols < K
-        mask = in_rows[:, None] & in_k[None, :]
-        x = _load_tile(x_ptr + k0 + cols, in_k, WHOLE_TILES).to(tl.float32)[None, :]
-        acc += _load_tile(w_tile + k0, mask, WHOLE_TILES).to(tl.float32) * x
-        if GATED:  # up's rows are N rows further on
-            up_acc += _load_tile(w_tile + N * w_row_stride + k0, mask, WHOLE_TILES).to(tl.float32) * x
+    up_offset = N * w_row_stride  # GATED: acc sums gate's rows, up_acc up's, N rows further on
+    w, up = _weight_tiles(w_tile, up_offset, 0, K, in_rows, cols, GATED, WHOLE_TILES)  # before the wait (PDL)
+    wait_for_inputs()
+    x = _load_tile(x_ptr + cols, cols < K, WHOLE_TILES).to(tl.float32)[None, :]
+    acc, up_acc = w * x, up * x
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        w, up = _weight_tiles(w_tile, up_offset, k0, K, in_rows, cols, GATED, WHOLE_TILES)
+        x = _load_tile(x_ptr + k0 + cols, k0 + cols < K, WHOLE_TILES).to(tl.float32)[None, :]
+        acc += w * x
+        if GATED:
+            up_acc += up * x
     y = tl.sum(acc, axis=1)  # [BLOCK_N]
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
@@ -310,7 +360,7 @@ def _matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ga
         x, weight, weight if bias is None else bias, out, out_features, in_features, weight.stride(0),
         HAS_BIAS=bias is not None, GATED=gated,
         WHOLE_TILES=out_features % block_n == 0 and in_features % LINEAR_BLOCK_K == 0,
-        BLOCK_N=block_n, BLOCK_K=LINEAR_BLOCK_K, num_warps=4)
+        BLOCK_N=block_n, BLOCK_K=LINEAR_BLOCK_K, num_warps=4, launch_pdl=PDL)
     return out
 
 

@@ -34,6 +34,7 @@ class Bug:
 
 
 DEEPSEEK_MLA = "tests/test_deepseek_parity.py::test_prefill_and_decode_match_hf[lite-mla]"
+PDL_RULE = "tests/test_structure.py::test_every_kernel_waits_for_its_inputs_before_touching_them"
 GRAPH_CONTRACT = "tests/test_cuda_graph_runner.py::test_padding_to_the_graph_size_changes_no_choice"
 BUGS = [
     Bug("llama3 rope: blend weights swapped", "nano/rope.py",
@@ -103,6 +104,14 @@ BUGS = [
     Bug("triton kernels: dots in TF32 for float32 inputs", "nano/triton_ops.py",
         'return "ieee" if dtype == torch.float32 else "tf32"', 'return "tf32"',
         ["tests/test_triton_e2e.py::test_float32_triton_equals_torch_on_gpu"], needs_cuda=True),
+    Bug("PDL: the mat-vec reads its input before the kernel before it has finished", "nano/triton_ops.py",
+        "    wait_for_inputs()\n    x = _load_tile(x_ptr + cols, cols < K, WHOLE_TILES).to(tl.float32)[None, :]\n",
+        "    x = _load_tile(x_ptr + cols, cols < K, WHOLE_TILES).to(tl.float32)[None, :]\n    wait_for_inputs()\n",
+        [PDL_RULE]),
+    Bug("PDL: the norm never waits for its input", "nano/triton_ops.py",
+        "    weight = tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)\n    wait_for_inputs()\n",
+        "    weight = tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)\n",
+        [PDL_RULE, "tests/test_triton_ops.py::test_gpu_kernels_started_early_wait_for_their_inputs"], needs_cuda=True),
     Bug("graph contract: attention split cap from the raw batch size, not its bucket", "nano/triton_attn.py",
         "batch_bucket(bs) * self.num_kv_heads", "bs * self.num_kv_heads", [GRAPH_CONTRACT]),
     Bug("graph contract: MoE form from the raw token count, not its bucket", "nano/deepseek.py",

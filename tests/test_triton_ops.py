@@ -219,3 +219,35 @@ def test_gpu_linear(out_features, in_features):  # Llama-3-8B's q/k/v and down_p
 @pytest.mark.parametrize("intermediate, in_features", [(14336, 4096), (10944, 2048)])
 def test_gpu_linear_silu_and_mul(intermediate, in_features):  # Llama-3-8B's and DeepSeek's dense gate/up
     check_linear_silu_and_mul(intermediate, in_features, torch.bfloat16)
+
+
+@gpu
+def test_gpu_kernels_started_early_wait_for_their_inputs():
+    """Programmatic dependent launch (triton_ops.py): every kernel lets the next one start at once,
+    then waits for its inputs. Behind a slow mat-vec (128 programs, each reading 8 MB) the kernels
+    of a CUDA graph start long before their inputs exist; every output is set to NaN before the
+    replay, so a kernel that read its input before waiting would not match the same ops run one
+    at a time."""
+    x = randn(1, 1 << 20, dtype=torch.bfloat16)
+    slow = randn(512, 1 << 20, dtype=torch.bfloat16) / 1024  # 1 GB, read by 128 programs
+    norm_weight = 1 + 0.1 * randn(512, dtype=torch.bfloat16)
+    gate_up = randn(2048, 512, dtype=torch.bfloat16) / 16
+    router = randn(64, 1024, dtype=torch.float32)
+
+    def chain(step=lambda: None):
+        outputs = [linear(x, slow)]  # [1, 512]
+        for op in (lambda y: fused_add_rms_norm(y, None, norm_weight, 1e-6)[0], lambda y: linear(y, gate_up),
+                   silu_and_mul, lambda y: route(y, router, 6, True, 1.0)[0]):
+            step()
+            outputs.append(op(outputs[-1]))
+        return outputs
+
+    expected = chain(step=torch.cuda.synchronize)  # one kernel at a time
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = chain()
+    for out in outputs:
+        out.fill_(float("nan"))
+    graph.replay()
+    for out, ref in zip(outputs, expected, strict=True):
+        assert torch.equal(out, ref)
