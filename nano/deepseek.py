@@ -101,11 +101,13 @@ class MLAttention(nn.Module):
         # weight through any later `.to()`.
         per_head = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.latent_dim)
         w_uk, w_uv = per_head.split([self.nope_dim, self.v_dim], dim=1)  # [H, 128, 512]: latent -> k_nope, v
-        # The query [T, H, 576]: q_lat = W_UK_h^T q_nope_h [T, H, 512], then q_pe; key [T, 1, 576] is the cached row.
-        query = ops.per_head_linear(q_nope, w_uk.mT, tail=q_pe)
+        q_lat = torch.einsum("thn,hnc->thc", q_nope, w_uk)  # [T, H, 512]
+        query = torch.cat([q_lat, q_pe], dim=-1)  # [T, H, 576]; key [T, 1, 576] is the cached row
         # The value is the latent c: the first 512 channels of the cached row (a view, as in kv_cache.py).
         o_lat = attn.forward(query, key, key[..., : self.latent_dim], self.layer_id, batch, self.scale)  # [T, H, 512]
-        return ops.per_head_linear(o_lat, w_uv)  # [T, H, 128]: W_UV_h o_lat_h, o_proj's input rows
+        out = o_lat.new_empty(o_lat.shape[0], self.num_heads, self.v_dim)  # [T, H, 128]: o_proj's input rows
+        torch.bmm(o_lat.transpose(0, 1), w_uv.mT, out=out.transpose(0, 1))  # head by head, straight into them
+        return out
 
     def _attend_expanded(self, q_nope, q_pe, c, k_pe, batch, attn):
         num_tokens = c.shape[0]

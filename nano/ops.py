@@ -7,10 +7,8 @@ implementations: the Triton kernel of the same name for CUDA tensors (triton_ops
 gains: fewer launches, or for `linear` at one row, faster reads of the weight than cuBLAS's), and
 the plain torch below for any other. The torch version is what a CPU run computes and the truth
 the kernel tests compare against (`op.reference`). The device of the op's first tensor decides,
-here and nowhere else. `ops.per_head_linear` (MLA's per-head products) decides here too: one token
-on CUDA goes to a kernel, anything else to the batched matmul it is tested against. triton is
-imported on the first call with a CUDA tensor: it is not a runtime dependency (the CUDA build of
-torch brings its own), and a CPU run never imports it.
+here and nowhere else. triton is imported on the first call with a CUDA tensor: it is not a
+runtime dependency (the CUDA build of torch brings its own), and a CPU run never imports it.
 `kernels()` hands out the kernel modules the same way to code that runs a kernel itself: MoE's
 "matvec" and "fused" forms (deepseek.py), which only a CUDA run picks.
 """
@@ -69,21 +67,6 @@ def silu_and_mul(gate_up):
 def linear_silu_and_mul(x, gate_up_weight):
     """x [T, in], gate_up_weight [2I, in] (gate rows, then up rows) -> silu_and_mul(linear) [T, I]."""
     return silu_and_mul.reference(linear.reference(x, gate_up_weight))
-
-
-def per_head_linear(x, weight, tail=None):
-    """x [T, H, K], weight [H, N, K] (any strides) -> out[t, h] = weight[h] @ x[t, h] [T, H, N], with
-    tail [T, H, R] after each head's N channels when given: [T, H, N + R]. One token on CUDA: the
-    per-head mat-vec (triton_ops), one launch that also copies the tail in; otherwise a batched
-    matmul over heads, straight into the output's rows."""
-    if x.is_cuda and x.shape[0] == 1:
-        return kernels().per_head_matvec(x, weight, tail)
-    (num_tokens, heads, _), n = x.shape, weight.shape[1]
-    out = x.new_empty(num_tokens, heads, n + (0 if tail is None else tail.shape[-1]))
-    torch.bmm(x.transpose(0, 1), weight.mT, out=out[..., :n].transpose(0, 1))  # [H, T, K] x [H, K, N]
-    if tail is not None:
-        out[..., n:] = tail
-    return out
 
 
 @_triton_on_cuda

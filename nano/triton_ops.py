@@ -33,12 +33,6 @@ How each kernel splits the work:
   `linear_silu_and_mul` is the MLP's gate/up projection in the same kernel: a program reads 2
   gate rows and the 2 up rows that go with them, side by side in one loop, and stores
   silu(gate) * up, so at batch 1 the SiLU-and-mul kernel is gone.
-- per_head_matvec (MLA's per-head products at decode batch 1, deepseek.py): out[h] = W[h] @ x[h]
-  for each head's [N, K] matrix, K <= 1024. A program holds all of K for a block of one head's
-  rows (8,192 weights), loaded with whatever strides the weight view has (W_UK^T is read across
-  its rows), and each head's first program copies a tail (q_pe) in after its N outputs, so the
-  query needs no concatenation. Two of these replace two cuBLAS batched matmuls and a cat, three
-  launches a layer that could not start early (PDL, below).
 
 Arithmetic is in float32, rounded to the activation dtype where the HF reference rounds, so bf16
 results match torch's to the bit or nearly. The kernels take each tensor's row (token, head)
@@ -384,41 +378,3 @@ def linear_silu_and_mul(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.
     if x.shape[0] != 1:
         return silu_and_mul(F.linear(x, gate_up_weight))
     return _matvec(x, gate_up_weight, None, gated=True)
-
-
-@triton.jit
-def _per_head_matvec_kernel(x_ptr, w_ptr, tail_ptr, out_ptr, N, K, TAIL, x_head_stride, tail_head_stride,
-                            out_head_stride, w_head_stride, w_row_stride, w_col_stride,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TAIL: tl.constexpr):
-    launch_dependents()
-    head, rows = tl.program_id(0), tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.arange(0, BLOCK_K)
-    w_tile = w_ptr + head * w_head_stride + rows[:, None] * w_row_stride + cols[None, :] * w_col_stride
-    w = tl.load(w_tile, mask=(rows < N)[:, None] & (cols < K)[None, :], other=0.0).to(tl.float32)  # all of K
-    wait_for_inputs()
-    x = tl.load(x_ptr + head * x_head_stride + cols, mask=cols < K, other=0.0).to(tl.float32)  # [BLOCK_K]
-    out_row = out_ptr + head * out_head_stride
-    tl.store(out_row + rows, tl.sum(w * x[None, :], axis=1).to(out_ptr.dtype.element_ty), mask=rows < N)
-    if BLOCK_TAIL > 0:
-        if tl.program_id(1) == 0:  # the head's tail follows its N channels
-            tail = tl.arange(0, BLOCK_TAIL)
-            tail_row = tl.load(tail_ptr + head * tail_head_stride + tail, mask=tail < TAIL)
-            tl.store(out_row + N + tail, tail_row, mask=tail < TAIL)
-
-
-def per_head_matvec(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | None) -> torch.Tensor:
-    """ops.per_head_linear for one token: x [1, H, K], weight [H, N, K] (any strides, K <= 1024)
-    -> [1, H, N] (+ tail [1, H, R] after each head: [1, H, N + R]). MLA's two per-head products at
-    decode batch 1 (deepseek.py), W_UK^T (rows contiguous along N) and W_UV (along K): a program
-    holds all of K for 8,192 / K rows of one head, 16 heads x 8 programs for both."""
-    (_, heads, k_dim), (_, n, _) = x.shape, weight.shape
-    width = 0 if tail is None else tail.shape[-1]
-    assert x.shape[0] == 1 and x.stride(-1) == 1 and k_dim <= 1024 and (tail is None or tail.stride(-1) == 1)
-    out = x.new_empty(1, heads, n + width)
-    block_k = triton.next_power_of_2(k_dim)
-    block_n = min(8192 // block_k, triton.next_power_of_2(n))
-    _per_head_matvec_kernel[(heads, triton.cdiv(n, block_n))](
-        x, weight, x if tail is None else tail, out, n, k_dim, width, x.stride(1), 0 if tail is None else tail.stride(1),
-        out.stride(1), *weight.stride(), BLOCK_N=block_n, BLOCK_K=block_k,
-        BLOCK_TAIL=triton.next_power_of_2(width) if width else 0, num_warps=4, launch_pdl=PDL)
-    return out

@@ -14,8 +14,7 @@ import torch.nn.functional as F
 
 from nano import ops
 from nano.rope import RotaryEmbedding
-from nano.triton_ops import (apply_rope_, fused_add_rms_norm, linear, linear_silu_and_mul, per_head_matvec, route,
-                             silu_and_mul)
+from nano.triton_ops import apply_rope_, fused_add_rms_norm, linear, linear_silu_and_mul, route, silu_and_mul
 from tests.helpers import DEVICE, DTYPES, assert_close, gpu, nan_allocations, randn
 
 DEEPSEEK_YARN = {"rope_type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
@@ -171,32 +170,6 @@ def check_linear_silu_and_mul(intermediate: int, in_features: int, dtype: torch.
     assert torch.equal(linear_silu_and_mul(x, weight), silu_and_mul(F.linear(x, weight)))
 
 
-def check_per_head_linear(heads: int, nope: int, rope: int, v_dim: int, latent: int, dtype: torch.dtype):
-    """MLA's two per-head products at one token (deepseek.py) against float32 einsums: W_UK_h^T
-    q_nope_h with q_pe copied after it (the weight read across its rows), then W_UV_h o_lat_h; the
-    inputs are views with head strides, as in the model. Two tokens take ops' batched matmul."""
-    w_uk, w_uv = (randn(heads * (nope + v_dim), latent, dtype=dtype) / latent**0.5).view(
-        heads, nope + v_dim, latent).split([nope, v_dim], dim=1)  # views of kv_b_proj's weight
-    q_nope, q_pe = randn(2, heads, nope + rope, dtype=dtype).split([nope, rope], dim=-1)
-    o_lat = randn(2, heads, latent + 8, dtype=dtype)[..., :latent]
-    q_lat = torch.einsum("thn,hnc->thc", q_nope.float(), w_uk.float()).to(dtype)  # [2, H, latent]
-    out = torch.einsum("thc,hvc->thv", o_lat.float(), w_uv.float()).to(dtype)  # [2, H, v_dim]
-    with nan_allocations():
-        query = per_head_matvec(q_nope[:1], w_uk.mT, q_pe[:1])
-        assert_close(query[..., :latent], q_lat[:1])
-        assert torch.equal(query[..., latent:], q_pe[:1])
-        assert_close(per_head_matvec(o_lat[:1], w_uv, None), out[:1])
-        query = ops.per_head_linear(q_nope, w_uk.mT, tail=q_pe)
-        assert_close(query[..., :latent], q_lat)
-        assert torch.equal(query[..., latent:], q_pe)
-        assert_close(ops.per_head_linear(o_lat, w_uv), out)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_per_head_linear(dtype):
-    check_per_head_linear(3, 24, 6, 20, 40, dtype)
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("out_features, in_features, bias", [(37, 2100, False), (8, 64, True), (12, 2048, False)])  # partial and whole tiles
 def test_linear(out_features, in_features, bias, dtype):
@@ -246,11 +219,6 @@ def test_gpu_linear(out_features, in_features):  # Llama-3-8B's q/k/v and down_p
 @pytest.mark.parametrize("intermediate, in_features", [(14336, 4096), (10944, 2048)])
 def test_gpu_linear_silu_and_mul(intermediate, in_features):  # Llama-3-8B's and DeepSeek's dense gate/up
     check_linear_silu_and_mul(intermediate, in_features, torch.bfloat16)
-
-
-@gpu
-def test_gpu_per_head_linear():  # DeepSeek-V2-Lite's absorbed MLA
-    check_per_head_linear(16, 128, 64, 128, 512, torch.bfloat16)
 
 
 @gpu
