@@ -69,7 +69,7 @@ BUGS = [
         "tl.store(block_expert_ptr + b0 + offs, expert,", "tl.store(block_expert_ptr + b0 + offs, expert - 1,",
         ["tests/test_moe_kernels.py::test_align_pairs_by_expert"]),
     Bug("gated mat-vec: up read from the gate's rows", "nano/triton_ops.py",
-        "w_tile + N * w_row_stride", "w_tile", ["tests/test_triton_ops.py::test_linear_silu_and_mul"]),
+        "up_offset = N * w_row_stride", "up_offset = 0", ["tests/test_triton_ops.py::test_linear_silu_and_mul"]),
     Bug("one-row linear: the bias dropped in the mat-vec", "nano/triton_ops.py",
         "y += tl.load(bias_ptr + rows", "y += 0 * tl.load(bias_ptr + rows", ["tests/test_triton_ops.py::test_linear"]),
     Bug("moe layout: the shared MLP's up rows land one expert early", "nano/deepseek.py",
