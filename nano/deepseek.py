@@ -89,21 +89,26 @@ class MLAttention(nn.Module):
         latent, k_pe = kv.split([self.latent_dim, self.rope_dim], dim=-1)
         c = self.kv_a_layernorm(latent, out=latent)  # [T, 512]
         k_pe = k_pe.unsqueeze(1)  # [T, 1, 64]
-        self.rotary(batch.positions, q_pe, k_pe)
         if self.use_mla:
-            out = self._attend_absorbed(q_nope, q_pe, kv.unsqueeze(1), batch, attn)
+            out = self._attend_absorbed(q_nope, q_pe, k_pe, kv.unsqueeze(1), batch, attn)
         else:
+            self.rotary(batch.positions, q_pe, k_pe)
             out = self._attend_expanded(q_nope, q_pe, c, k_pe, batch, attn)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
 
-    def _attend_absorbed(self, q_nope, q_pe, key, batch, attn):
+    def _attend_absorbed(self, q_nope, q_pe, k_pe, key, batch, attn):
         # Per-head views of kv_b_proj (no copies), taken afresh each call so they follow the
         # weight through any later `.to()`.
         per_head = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.latent_dim)
         w_uk, w_uv = per_head.split([self.nope_dim, self.v_dim], dim=1)  # [H, 128, 512]: latent -> k_nope, v
-        q_lat = torch.einsum("thn,hnc->thc", q_nope, w_uk)  # [T, H, 512]
-        query = torch.cat([q_lat, q_pe], dim=-1)  # [T, H, 576]; key [T, 1, 576] is the cached row
-        # The value is the latent c: the first 512 channels of the cached row (a view, as in kv_cache.py).
+        # The query [T, H, 576] is [q_lat | q_pe], written in place, not concatenated: q_lat = W_UK^T
+        # q_nope head by head straight into its first 512 channels, rope's q_pe into the rest.
+        query = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.latent_dim + self.rope_dim)
+        q_lat, q_rope = query.split([self.latent_dim, self.rope_dim], dim=-1)
+        torch.bmm(q_nope.transpose(0, 1), w_uk, out=q_lat.transpose(0, 1))
+        self.rotary(batch.positions, q_pe, k_pe, q_out=q_rope)
+        # key [T, 1, 576] is the cached row; the value is the latent c: its first 512 channels (a
+        # view, as in kv_cache.py).
         o_lat = attn.forward(query, key, key[..., : self.latent_dim], self.layer_id, batch, self.scale)  # [T, H, 512]
         out = o_lat.new_empty(o_lat.shape[0], self.num_heads, self.v_dim)  # [T, H, 128]: o_proj's input rows
         torch.bmm(o_lat.transpose(0, 1), w_uv.mT, out=out.transpose(0, 1))  # head by head, straight into them

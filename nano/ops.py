@@ -70,12 +70,13 @@ def linear_silu_and_mul(x, gate_up_weight):
 
 
 @_triton_on_cuda
-def apply_rope_(q, k, cos_sin, positions):
-    """Rotate q [T, H, d] and k [T, Hkv, d] in place by their tokens' positions [T] (rope.py)."""
+def apply_rope_(q, k, cos_sin, positions, q_out=None):
+    """Rotate q [T, H, d] and k [T, Hkv, d] in place by their tokens' positions [T] (rope.py); q
+    into q_out instead when given."""
     cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, d/2] each
-    for x in (q, k):
+    for x, out in ((q, q if q_out is None else q_out), (k, k)):
         x1, x2 = x.float().chunk(2, dim=-1)
-        x.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))
+        out.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))
 
 
 @_triton_on_cuda

@@ -134,23 +134,25 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: t
 
 
 @triton.jit
-def _rotate_heads(x_ptr, head_stride, num_heads, cos, sin,
+def _rotate_heads(x_ptr, head_stride, out_ptr, out_head_stride, num_heads, cos, sin,
                   HALF: tl.constexpr, HALF_BLOCK: tl.constexpr, HEADS_BLOCK: tl.constexpr):
-    """Rotate one token's heads in place; x_ptr points at its first head, cos/sin are [1, HALF_BLOCK]."""
+    """Rotate one token's heads (x_ptr: its first head) into out_ptr, which may be x_ptr; cos/sin are
+    [1, HALF_BLOCK]."""
     heads = tl.arange(0, HEADS_BLOCK)[:, None]
     dims = tl.arange(0, HALF_BLOCK)[None, :]
     mask = (heads < num_heads) & (dims < HALF)
     first_half = x_ptr + heads * head_stride + dims  # [HEADS_BLOCK, HALF_BLOCK] pointers
     x1 = tl.load(first_half, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first_half + HALF, mask=mask, other=0.0).to(tl.float32)
-    tl.store(first_half, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
-    tl.store(first_half + HALF, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+    out_half = out_ptr + heads * out_head_stride + dims
+    tl.store(out_half, (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_half + HALF, (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _rope_kernel(q_ptr, k_ptr, cos_sin_ptr, positions_ptr,
-                 q_token_stride, q_head_stride, k_token_stride, k_head_stride, cos_sin_stride,
-                 num_q_heads, num_k_heads,
+def _rope_kernel(q_ptr, q_out_ptr, k_ptr, cos_sin_ptr, positions_ptr,
+                 q_token_stride, q_head_stride, q_out_token_stride, q_out_head_stride,
+                 k_token_stride, k_head_stride, cos_sin_stride, num_q_heads, num_k_heads,
                  HALF: tl.constexpr, HALF_BLOCK: tl.constexpr, Q_HEADS_BLOCK: tl.constexpr,
                  K_HEADS_BLOCK: tl.constexpr):
     launch_dependents()
@@ -162,24 +164,29 @@ def _rope_kernel(q_ptr, k_ptr, cos_sin_ptr, positions_ptr,
     cos = tl.load(angles_row + dims, mask=dims < HALF, other=0.0)[None, :]  # [1, HALF_BLOCK]
     sin = tl.load(angles_row + HALF + dims, mask=dims < HALF, other=0.0)[None, :]
     if tl.program_id(1) == 0:
-        _rotate_heads(q_ptr + token * q_token_stride, q_head_stride, num_q_heads, cos, sin,
-                      HALF, HALF_BLOCK, Q_HEADS_BLOCK)
+        _rotate_heads(q_ptr + token * q_token_stride, q_head_stride, q_out_ptr + token * q_out_token_stride,
+                      q_out_head_stride, num_q_heads, cos, sin, HALF, HALF_BLOCK, Q_HEADS_BLOCK)
     else:
-        _rotate_heads(k_ptr + token * k_token_stride, k_head_stride, num_k_heads, cos, sin,
+        k_row = k_ptr + token * k_token_stride
+        _rotate_heads(k_row, k_head_stride, k_row, k_head_stride, num_k_heads, cos, sin,
                       HALF, HALF_BLOCK, K_HEADS_BLOCK)
 
 
-def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor):
+def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor,
+                q_out: torch.Tensor | None = None):
     """Rotate q [T, H, d] and k [T, Hkv, d] in place by their tokens' positions [T] (rope.py's
-    rotate-halves convention). cos_sin [max_positions, d] float32 is RotaryEmbedding.cos_sin.
-    q and k may be strided views (last dimension contiguous), e.g. slices of a fused qkv output."""
+    rotate-halves convention); q into q_out instead when given. cos_sin [max_positions, d] float32
+    is RotaryEmbedding.cos_sin. All may be strided views (last dimension contiguous), e.g. slices
+    of a fused qkv output."""
     num_tokens, num_q_heads, rot_dim = q.shape
+    q_out = q if q_out is None else q_out
     assert k.shape[0] == positions.shape[0] == num_tokens and k.shape[2] == rot_dim == cos_sin.shape[1]
-    assert q.stride(2) == 1 and k.stride(2) == 1 and cos_sin.stride(1) == 1 and rot_dim % 2 == 0
+    assert q_out.shape == q.shape and rot_dim % 2 == 0
+    assert q.stride(2) == q_out.stride(2) == k.stride(2) == cos_sin.stride(1) == 1
     half = rot_dim // 2
     _rope_kernel[(num_tokens, 2)](
-        q, k, cos_sin, positions,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),
+        q, q_out, k, cos_sin, positions,
+        q.stride(0), q.stride(1), q_out.stride(0), q_out.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),
         num_q_heads, k.shape[1],
         HALF=half, HALF_BLOCK=triton.next_power_of_2(half),
         Q_HEADS_BLOCK=triton.next_power_of_2(num_q_heads), K_HEADS_BLOCK=triton.next_power_of_2(k.shape[1]),

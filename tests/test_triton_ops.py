@@ -63,11 +63,13 @@ def check_silu_and_mul(num_tokens: int, intermediate: int, dtype: torch.dtype):
 
 
 def check_rope(rotary: RotaryEmbedding, buffers: tuple[torch.Tensor, ...], carve, positions: torch.Tensor):
-    """carve(*buffers) -> (q, k): views into the buffers. Rotates them in place; everything else in
-    the buffers must be left as it was."""
+    """carve(*buffers) -> (q, k) or (q, k, q_out): views into the buffers. Rotates q and k in place,
+    or q into q_out; everything else in the buffers must be left as it was."""
     expected = tuple(b.clone() for b in buffers)
-    ops.apply_rope_.reference(*carve(*expected), rotary.cos_sin, positions)
-    apply_rope_(*carve(*buffers), rotary.cos_sin, positions)
+    q, k, *q_out = carve(*expected)
+    ops.apply_rope_.reference(q, k, rotary.cos_sin, positions, *q_out)
+    q, k, *q_out = carve(*buffers)
+    apply_rope_(q, k, rotary.cos_sin, positions, *q_out)
     for out, ref in zip(buffers, expected, strict=True):
         assert_close(out, ref)
 
@@ -109,19 +111,22 @@ def test_rope_on_fused_qkv(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_rope_on_deepseek_slices(dtype):
+@pytest.mark.parametrize("into_query", [False, True], ids=["in place", "into the query"])
+def test_rope_on_deepseek_slices(dtype, into_query):
     """MLA rotates q_pe = q[..., 128:192] of every head and the one shared k_pe [T, 1, 64], the
-    last 64 columns of the kv_a projection [T, 576]."""
+    last 64 columns of the kv_a projection [T, 576]; absorbed, it writes q_pe into the last 64
+    channels of the attention query [T, H, 576] instead."""
     num_tokens, num_heads, nope, rope = 5, 16, 128, 64
     rotary = RotaryEmbedding(rope, 8192, 10000.0, DEEPSEEK_YARN).to(DEVICE)
     q = randn(num_tokens, num_heads, nope + rope, dtype=dtype)
     kv_a = randn(num_tokens, 512 + rope, dtype=dtype)
+    query = randn(num_tokens, num_heads, 512 + rope, dtype=dtype)
 
-    def carve(q, kv_a):
-        return q[..., nope:], kv_a[:, 512:].unsqueeze(1)  # q_pe [T, H, 64], k_pe [T, 1, 64]
+    def carve(q, kv_a, query):  # q_pe [T, H, 64], k_pe [T, 1, 64] (, the query's q_pe [T, H, 64])
+        return q[..., nope:], kv_a[:, 512:].unsqueeze(1), *([query[..., 512:]] if into_query else [])
 
     positions = torch.tensor([0, 8191, 7, 4096, 5000], device=DEVICE)
-    check_rope(rotary, (q, kv_a), carve, positions)
+    check_rope(rotary, (q, kv_a, query), carve, positions)
 
 
 def check_route(num_tokens, hidden, num_experts, top_k, num_shared, renormalize, dtype):
