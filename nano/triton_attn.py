@@ -21,7 +21,8 @@ kinds of pass need two kinds of kernel:
   merges the chunks in a second small kernel (stage 2): with M = max_s lse_s,
       out = sum_s e^(lse_s - M) o_s / sum_s e^(lse_s - M),
   which is exact, because a split's softmax weights times e^lse_s are its share of the full sum.
-  Stage 1 serves all query heads that share a KV head in one program (grouped-query attention,
+  A batch that fills the GPU unsplit (its split cap, below, is 1) skips stage 2: each program
+  writes its request's output itself. Stage 1 serves all query heads that share a KV head in one program (grouped-query attention,
   and MLA where 16 heads share one 576-wide latent head): each KV tile is loaded once and used
   by a `tl.dot` of [heads, dim] x [dim, tokens], padded to 16 rows since tensor cores need it.
 
@@ -77,8 +78,8 @@ class TritonAttnBackend:
             num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         else:  # the interpreter: behave as on an H200, so CPU tests split like the GPU does
             num_sms = 132
-        # A split reads at least one tile of tokens: a shorter one costs more in writing and
-        # merging its partial output than it gains.
+        # A split reads at least one tile of tokens (of the tiles for many splits, the longest):
+        # a shorter one costs more in writing and merging its partial output than it gains.
         self.min_split_tokens, _, _, programs_per_sm = _decode_config(self.k_dim)
         self.target_programs = programs_per_sm * num_sms
         # Decode buffers, allocated once at their largest and sliced per batch (CUDA-graph safe).
@@ -153,17 +154,20 @@ class TritonAttnBackend:
         max_splits = self.split_cap(bs)
         merge_block = triton.next_power_of_2(max_splits)  # the merge loads all splits as one block
         dims = _head_dim_blocks(self.k_dim, self.v_dim)
-        block_n, num_warps, num_stages, _ = _decode_config(self.k_dim)
+        block_n, num_warps, num_stages, _ = _decode_config(self.k_dim, max_splits)
+        one_split = max_splits == 1
         _decode_split_kernel[(bs, self.num_kv_heads, max_splits)](
-            q, k_cache, v_cache, self.partial_out, self.partial_lse,
+            q, k_cache, v_cache, self.partial_out, self.partial_lse, out,
             self.req_to_token, batch.req_pool_indices, batch.seq_lens, self.num_kv_splits,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-            *self.partial_out.stride()[:3], *self.partial_lse.stride()[:2], self.req_to_token.stride(0),
-            scale * LOG2E,
+            *self.partial_out.stride()[:3], *self.partial_lse.stride()[:2], out.stride(0), out.stride(1),
+            self.req_to_token.stride(0), scale * LOG2E,
             GROUP=self.group, BLOCK_H=max(16, triton.next_power_of_2(self.group)), BLOCK_N=block_n,
-            DOT_PRECISION=dot_precision(q.dtype), **dims,
+            DOT_PRECISION=dot_precision(q.dtype), ONE_SPLIT=one_split, **dims,
             num_warps=num_warps, num_stages=num_stages, launch_pdl=PDL,
         )
+        if one_split:
+            return
         _decode_merge_kernel[(bs, self.num_heads)](
             self.partial_out, self.partial_lse, batch.seq_lens, self.num_kv_splits, out,
             *self.partial_out.stride()[:3], *self.partial_lse.stride()[:2], out.stride(0), out.stride(1),
@@ -193,9 +197,10 @@ def _extend_config(k_dim: int) -> tuple[int, int, int, int]:
     return 32, 32, 8, 2  # MLA's 576-wide keys: a [32, 512] fp32 accumulator is already large
 
 
-def _decode_config(k_dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, num_warps, num_stages, programs per multiprocessor) for decode stage 1: the
-    fastest of those tried on an H200 (scripts/bench_attention.py, scripts/tune_mla_decode.py)."""
+def _decode_config(k_dim: int, split_cap: int = MAX_KV_SPLITS) -> tuple[int, int, int, int]:
+    """(BLOCK_N, num_warps, num_stages, programs per multiprocessor) for decode stage 1 of a batch
+    whose split cap is split_cap: the fastest of those tried on an H200 (scripts/bench_attention.py,
+    scripts/tune_mla_decode.py, scripts/tune_gqa_decode.py)."""
     # Each stage holds a K and a V tile in shared memory (at most about 227 KB): 128 tokens of
     # 128-wide heads, 3 deep, is 192 KB; 192-wide keys take 64 tokens to fit; MLA's 576-wide rows
     # take 32 tokens (16 or 64 measured slower).
@@ -205,8 +210,12 @@ def _decode_config(k_dim: int) -> tuple[int, int, int, int]:
     # little. MLA's programs are fewer and longer; two run on a multiprocessor at a time, and the
     # split count fills exactly one wave of them: a partial second wave would take as long as a
     # full one (BENCHMARKS.md has the measurements).
+    # A batch that fills the GPU with one or two splits a request (128-wide heads: 33 requests and
+    # up) runs many short programs instead, each mostly waiting on its first loads: 16-token tiles
+    # on 2 warps (24 KB of shared memory) let several times more of them share a multiprocessor.
+    # Llama-3-8B at 160 requests of 136 tokens: 32 us a layer instead of 42.
     if k_dim <= 128:
-        return 128, 4, 3, 8
+        return (16, 2, 3, 8) if split_cap <= 2 else (128, 4, 3, 8)
     if k_dim <= 256:
         return 64, 4, 3, 8
     return 32, 4, 3, 2
@@ -374,14 +383,14 @@ def _extend_kernel(
 
 @triton.jit
 def _decode_split_kernel(
-    q, k_cache, v_cache, partial_out, partial_lse,
+    q, k_cache, v_cache, partial_out, partial_lse, out,
     req_to_token, req_pool_indices, seq_lens, num_kv_splits,
     stride_qb, stride_qh, stride_kcs, stride_kch, stride_vcs, stride_vch,
-    stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_req,
+    stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_ob, stride_oh, stride_req,
     scale_log2,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     K_MAIN: tl.constexpr, K_ROPE: tl.constexpr, BLOCK_DR: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ONE_SPLIT: tl.constexpr,
 ):
     launch_dependents()
     wait_for_inputs()
@@ -405,10 +414,14 @@ def _decode_split_kernel(
         )
 
         dv = tl.arange(0, BLOCK_DV)
-        out_ptrs = partial_out + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos + dv[None, :]
-        tl.store(out_ptrs, acc / l[:, None], mask=real_head[:, None] & (dv[None, :] < V_DIM))
-        lse_ptrs = partial_lse + b * stride_plb + heads * stride_plh + split
-        tl.store(lse_ptrs, m + tl.log2(l), mask=real_head)
+        out_mask = real_head[:, None] & (dv[None, :] < V_DIM)
+        if ONE_SPLIT:  # the whole request: the output itself
+            out_ptrs = out + b * stride_ob + heads[:, None] * stride_oh + dv[None, :]
+            tl.store(out_ptrs, (acc / l[:, None]).to(out.dtype.element_ty), mask=out_mask)
+        else:
+            out_ptrs = partial_out + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos + dv[None, :]
+            tl.store(out_ptrs, acc / l[:, None], mask=out_mask)
+            tl.store(partial_lse + b * stride_plb + heads * stride_plh + split, m + tl.log2(l), mask=real_head)
 
 
 # ---- decode, stage 2: one program per (request, query head) merges the splits ----

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from nano.config import ModelConfig
-from nano.forward_batch import ForwardBatch
+from nano.forward_batch import ForwardBatch, batch_bucket
 from nano.kv_cache import KVPool
 from nano.torch_attn import TorchAttnBackend
 from nano.triton_attn import TritonAttnBackend
@@ -198,6 +198,21 @@ def test_decode(shape, dtype):
 def test_decode_with_most_splits():
     # 8196 tokens: 64 splits of 129, each a whole 128-token tile and a one-token tile
     check(Shape(8, 1, 128, 128), torch.float32, "cpu", [8195], [1], decode=True, seed=2)
+
+
+@interpreted
+@pytest.mark.parametrize("cap", [1, 2])
+@pytest.mark.parametrize("shape, dtype", [(Shape(8, 2, 128, 128), torch.float16), (CPU_SHAPES[-1], torch.float32)],
+                         ids=str)
+def test_decode_of_a_batch_that_fills_the_gpu(shape, dtype, cap):
+    # A split cap of 1 or 2, as a large batch has (forced here by lowering the programs wanted):
+    # 128-wide heads switch to short tiles, and with 1 each program writes the output itself,
+    # without the merge. The partial buffers hold NaN.
+    scene = build_scene(shape, dtype, "cpu", [599, 0, 128], [1, 1, 1], decode=True)
+    backend = scene.triton_backend()
+    backend.target_programs = cap * batch_bucket(3) * shape.num_kv_heads
+    assert backend.split_cap(3) == cap
+    assert_matches(run_triton(scene, backend), scene.reference(), TOLERANCE[dtype])
 
 
 def test_num_kv_splits_grow_with_length_and_shrink_with_batch():

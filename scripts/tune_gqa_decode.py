@@ -1,0 +1,53 @@
+"""Which tile makes grouped-query decode attention (Llama-3-8B: 32 query heads on 8 KV heads of
+128) stream fastest, from batch 1 to 160, at short and long contexts?
+
+The GQA decode kernel (triton_attn.py) has one tile (`_decode_config`: tokens per tile, warps,
+pipeline stages) for batches that split their requests, and another for batches whose split cap
+is 1 or 2 (a large batch fills the GPU without splitting). A split is at least `min_split_tokens`
+long (0 below: one tile). This times every tile on scripts/bench_attention.py's harness and prints
+each case's four fastest. Run on a GPU: `python scripts/tune_gqa_decode.py`.
+"""
+
+import itertools
+import sys
+
+import torch
+
+sys.path.insert(0, ".")
+from scripts.bench_attention import LLAMA_3_8B, bench_case, kv_bytes_per_layer  # noqa: E402
+
+import nano.triton_attn as triton_attn  # noqa: E402
+from nano.bench_latency import measure_copy_bandwidth  # noqa: E402
+
+TILES = [(32, 4, 2), (32, 2, 2), (32, 4, 3), (32, 2, 3), (16, 4, 2), (16, 2, 3), (128, 4, 3)]  # BLOCK_N, warps, stages
+# (batch, context, the split floors tried: 0 is one tile)
+CASES = [(160, 136, [0]), (128, 136, [0]), (64, 136, [0]), (8, 136, [0, 128]), (1, 136, [0, 128]),
+         (1, 4096, [0, 128]), (8, 4096, [0, 128])]
+
+
+def main():
+    copy_gbps = measure_copy_bandwidth("cuda") / 1e9
+    print(f"GQA decode, bf16, {torch.cuda.get_device_name()}, copy {copy_gbps:.0f} GB/s\n")
+    original = triton_attn._decode_config
+    for batch_size, context, floors in CASES:
+        nbytes = kv_bytes_per_layer(LLAMA_3_8B, batch_size, context, False)
+        results = []
+        for tile, floor in itertools.product(TILES, floors):
+            # every batch gets this tile, whatever its split cap
+            triton_attn._decode_config = lambda k_dim, *cap, tile=tile: (*tile, 8) if k_dim <= 128 else original(k_dim)
+
+            def configure(backend, floor=floor, tile=tile):
+                backend.min_split_tokens = floor or tile[0]
+
+            us, splits = bench_case(LLAMA_3_8B, False, batch_size, context, configure)
+            results.append((us, tile, floor or tile[0], splits))
+            print(f"batch {batch_size} context {context} tile {tile} min_split {floor or tile[0]} splits {splits}: "
+                  f"{us:.1f} us, {nbytes / us / 1e3 / copy_gbps:.0%} of copy", flush=True)
+            torch.cuda.empty_cache()
+        best = ", ".join(f"{us:.1f} us {tile} min {floor} ({splits} splits)" for us, tile, floor, splits in sorted(results)[:4])
+        print(f"FASTEST at batch {batch_size}, context {context}: {best}", flush=True)
+    triton_attn._decode_config = original
+
+
+if __name__ == "__main__":
+    main()
