@@ -78,8 +78,8 @@ class TritonAttnBackend:
             num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         else:  # the interpreter: behave as on an H200, so CPU tests split like the GPU does
             num_sms = 132
-        # A split reads at least one tile of tokens (of the tiles for many splits, the longest):
-        # a shorter one costs more in writing and merging its partial output than it gains.
+        # A split reads at least one tile of tokens: a shorter one costs more in writing and
+        # merging its partial output than it gains.
         self.min_split_tokens, _, _, programs_per_sm = _decode_config(self.k_dim)
         self.target_programs = programs_per_sm * num_sms
         # Decode buffers, allocated once at their largest and sliced per batch (CUDA-graph safe).
@@ -154,7 +154,7 @@ class TritonAttnBackend:
         max_splits = self.split_cap(bs)
         merge_block = triton.next_power_of_2(max_splits)  # the merge loads all splits as one block
         dims = _head_dim_blocks(self.k_dim, self.v_dim)
-        block_n, num_warps, num_stages, _ = _decode_config(self.k_dim, max_splits)
+        block_n, num_warps, num_stages, _ = _decode_config(self.k_dim)
         one_split = max_splits == 1
         _decode_split_kernel[(bs, self.num_kv_heads, max_splits)](
             q, k_cache, v_cache, self.partial_out, self.partial_lse, out,
@@ -197,10 +197,10 @@ def _extend_config(k_dim: int) -> tuple[int, int, int, int]:
     return 32, 32, 8, 2  # MLA's 576-wide keys: a [32, 512] fp32 accumulator is already large
 
 
-def _decode_config(k_dim: int, split_cap: int = MAX_KV_SPLITS) -> tuple[int, int, int, int]:
-    """(BLOCK_N, num_warps, num_stages, programs per multiprocessor) for decode stage 1 of a batch
-    whose split cap is split_cap: the fastest of those tried on an H200 (scripts/bench_attention.py,
-    scripts/tune_mla_decode.py, scripts/tune_gqa_decode.py)."""
+def _decode_config(k_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, num_warps, num_stages, programs per multiprocessor) for decode stage 1: the
+    fastest of those tried on an H200 (scripts/bench_attention.py, scripts/tune_mla_decode.py,
+    scripts/tune_gqa_decode.py)."""
     # Each stage holds a K and a V tile in shared memory (at most about 227 KB): 128 tokens of
     # 128-wide heads, 3 deep, is 192 KB; 192-wide keys take 64 tokens to fit; MLA's 576-wide rows
     # take 32 tokens (16 or 64 measured slower).
@@ -210,12 +210,8 @@ def _decode_config(k_dim: int, split_cap: int = MAX_KV_SPLITS) -> tuple[int, int
     # little. MLA's programs are fewer and longer; two run on a multiprocessor at a time, and the
     # split count fills exactly one wave of them: a partial second wave would take as long as a
     # full one (BENCHMARKS.md has the measurements).
-    # A batch that fills the GPU with one or two splits a request (128-wide heads: 33 requests and
-    # up) runs many short programs instead, each mostly waiting on its first loads: 16-token tiles
-    # on 2 warps (24 KB of shared memory) let several times more of them share a multiprocessor.
-    # Llama-3-8B at 160 requests of 136 tokens: 32 us a layer instead of 42.
     if k_dim <= 128:
-        return (16, 2, 3, 8) if split_cap <= 2 else (128, 4, 3, 8)
+        return 128, 4, 3, 8
     if k_dim <= 256:
         return 64, 4, 3, 8
     return 32, 4, 3, 2

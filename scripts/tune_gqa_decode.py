@@ -1,11 +1,11 @@
 """Which tile makes grouped-query decode attention (Llama-3-8B: 32 query heads on 8 KV heads of
 128) stream fastest, from batch 1 to 160, at short and long contexts?
 
-The GQA decode kernel (triton_attn.py) has one tile (`_decode_config`: tokens per tile, warps,
-pipeline stages) for batches that split their requests, and another for batches whose split cap
-is 1 or 2 (a large batch fills the GPU without splitting). A split is at least `min_split_tokens`
-long (0 below: one tile). This times every tile on scripts/bench_attention.py's harness and prints
-each case's four fastest. Run on a GPU: `python scripts/tune_gqa_decode.py`.
+The GQA decode kernel (triton_attn.py) runs one tile (`_decode_config`: tokens per tile, warps,
+pipeline stages) at every batch size; a split is at least `min_split_tokens` long (0 below: one
+tile). This times each tile on scripts/bench_attention.py's harness and prints each case's four
+fastest. Short tiles win at large batches of short requests and lose at long contexts
+(BENCHMARKS.md: why the kernel keeps one tile). Run on a GPU: `python scripts/tune_gqa_decode.py`.
 """
 
 import itertools
@@ -33,8 +33,7 @@ def main():
         nbytes = kv_bytes_per_layer(LLAMA_3_8B, batch_size, context, False)
         results = []
         for tile, floor in itertools.product(TILES, floors):
-            # every batch gets this tile, whatever its split cap
-            triton_attn._decode_config = lambda k_dim, *cap, tile=tile: (*tile, 8) if k_dim <= 128 else original(k_dim)
+            triton_attn._decode_config = lambda k_dim, tile=tile: (*tile, 8) if k_dim <= 128 else original(k_dim)
 
             def configure(backend, floor=floor, tile=tile):
                 backend.min_split_tokens = floor or tile[0]

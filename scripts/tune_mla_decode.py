@@ -47,7 +47,7 @@ def main():
         results = []
         knob = MIN_SPLIT_TOKENS if batch_size == 1 else PROGRAMS_PER_SM
         for value, tile in itertools.product(knob, TILES):
-            triton_attn._decode_config = lambda k_dim, *cap, tile=tile: (*tile, per_sm) if k_dim > 256 else original(k_dim, *cap)
+            triton_attn._decode_config = lambda k_dim, tile=tile: (*tile, per_sm) if k_dim > 256 else original(k_dim)
 
             def configure(backend, value=value):
                 if batch_size == 1:
