@@ -1,0 +1,100 @@
+"""What would removing a launch, or changing a kernel choice, save in a real decode step? Runs
+`nano.bench_latency` (or `--bench throughput`: `nano.bench_throughput`) with parts of the step
+patched out or changed. Removals make the tokens wrong on purpose: only the timings mean anything.
+
+    python scripts/decode_ablation.py VARIANT[,VARIANT...] -- BENCH_ARGS
+    python scripts/decode_ablation.py no-merge,no-router -- --model deepseek-v2-lite --load-format dummy --batch-size 1
+    python scripts/decode_ablation.py gqa-tile=16.2.3 --bench throughput -- --model llama-3-8b --load-format dummy
+
+Variants: none (as is); no-merge (decode attention's merge kernel); no-store (the KV store);
+no-attention (store, split and merge); no-latent-norm (MLA's norm of the 512-wide latent);
+no-router (DeepSeek's router, replaced by fixed expert ids); cublaslt-96 (linear layers of 2-96
+rows through cuBLASLt instead of cuBLAS); gqa-tile=BLOCK_N.WARPS.STAGES (decode attention's tile
+for 128-wide heads, every batch size). Run on a GPU (BENCHMARKS.md, fifth round).
+"""
+
+import importlib
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, ".")
+import nano.deepseek as deepseek  # noqa: E402
+import nano.triton_attn as triton_attn  # noqa: E402
+import nano.triton_ops as triton_ops  # noqa: E402
+from nano.model import RMSNorm  # noqa: E402
+
+
+class _Skipped:
+    """Stands in for a Triton kernel: `kernel[grid](...)` launches nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def _cublaslt_up_to(max_rows: int):
+    def linear(x, weight, bias=None):
+        library = "cublaslt" if x.numel() // x.shape[-1] <= max_rows else "cublas"
+        previous = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library(library)
+        try:
+            return F.linear(x, weight, bias)
+        finally:
+            torch.backends.cuda.preferred_blas_library(previous)
+
+    one_row_linear, one_row_gated = triton_ops.linear, triton_ops.linear_silu_and_mul
+    triton_ops.linear = lambda x, w, b=None: one_row_linear(x, w, b) if x.dim() == 2 and x.shape[0] == 1 else linear(x, w, b)
+    triton_ops.linear_silu_and_mul = lambda x, w: (one_row_gated(x, w) if x.shape[0] == 1
+                                                   else triton_ops.silu_and_mul(linear(x, w)))
+
+
+def _fixed_router():
+    cache = {}
+
+    def route(moe, x):
+        if x.shape[0] not in cache:  # built on the eager warm-up, before any graph capture
+            ids = torch.arange(moe.top_k + moe.num_shared, device=x.device).repeat(x.shape[0], 1)
+            ids[:, moe.top_k:] += moe.num_experts - moe.top_k  # the shared experts
+            cache[x.shape[0]] = (torch.ones(ids.shape, device=x.device), ids)
+        return cache[x.shape[0]]
+
+    deepseek.MoE.route = route
+
+
+def apply(variant: str):
+    name, _, value = variant.partition("=")
+    if name in ("no-merge", "no-attention"):
+        triton_attn._decode_merge_kernel = _Skipped()
+    if name in ("no-store", "no-attention"):
+        triton_attn._store_kv_kernel = _Skipped()
+    if name == "no-attention":
+        triton_attn._decode_split_kernel = _Skipped()
+    if name == "no-latent-norm":  # the only RMSNorm that writes in place over a 512-wide row
+        norm = RMSNorm.forward
+        RMSNorm.forward = lambda self, x, out=None: out if out is not None and x.shape[-1] == 512 else norm(self, x, out)
+    if name == "no-router":
+        _fixed_router()
+    if name == "cublaslt-96":
+        _cublaslt_up_to(96)
+    if name == "gqa-tile":
+        tile, config = tuple(int(v) for v in value.split(".")), triton_attn._decode_config
+        triton_attn._decode_config = lambda k_dim: (*tile, 8) if k_dim <= 128 else config(k_dim)
+    if name not in ("none", "no-merge", "no-store", "no-attention", "no-latent-norm", "no-router", "cublaslt-96",
+                    "gqa-tile"):
+        sys.exit(f"unknown variant {variant!r}")
+
+
+def main():
+    split = sys.argv.index("--")
+    options, bench_args = sys.argv[1:split], sys.argv[split + 1:]
+    bench = options[options.index("--bench") + 1] if "--bench" in options else "latency"
+    variants = options[0].split(",")
+    for variant in variants:
+        apply(variant)
+    print(f"variants: {', '.join(variants)}", flush=True)
+    importlib.import_module(f"nano.bench_{bench}").main(bench_args)
+
+
+if __name__ == "__main__":
+    main()
