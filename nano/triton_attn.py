@@ -22,9 +22,10 @@ kinds of pass need two kinds of kernel:
       out = sum_s e^(lse_s - M) o_s / sum_s e^(lse_s - M),
   which is exact, because a split's softmax weights times e^lse_s are its share of the full sum.
   A batch that fills the GPU unsplit (its split cap, below, is 1) skips stage 2: each program
-  writes its request's output itself. Stage 1 serves all query heads that share a KV head in one program (grouped-query attention,
-  and MLA where 16 heads share one 576-wide latent head): each KV tile is loaded once and used
-  by a `tl.dot` of [heads, dim] x [dim, tokens], padded to 16 rows since tensor cores need it.
+  writes its request's output itself. Stage 1 serves all query heads that share a KV head in one
+  program (grouped-query attention, and MLA where 16 heads share one 576-wide latent head): each
+  KV tile is loaded once and used by a `tl.dot` of [heads, dim] x [dim, tokens], padded to 16
+  rows since tensor cores need it.
 
 Decode also runs inside a CUDA graph (cuda_graph_runner.py), which replays a fixed sequence of
 kernel launches with fixed arguments. So the decode path never asks the host about tensor

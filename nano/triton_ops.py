@@ -17,7 +17,8 @@ How each kernel splits the work:
   the sum is stored as the new residual stream and normalised from registers.
 - apply_rope_: a grid of (token, 2): program 0 rotates all of the token's query heads, program 1
   all its key heads, each as two [heads, d/2] tiles (the halves); the token's cos/sin row is
-  loaded once and broadcast over heads. It writes in place.
+  loaded once and broadcast over heads. It writes in place, or the query heads into `q_out`
+  (DeepSeek's absorbed query: deepseek.py).
 - silu_and_mul: a grid of (token, block of columns) over the [T, I] output; a program reads its
   columns of gate and the same columns of up, I elements further along the row.
 - route (a MoE router, deepseek.py): a grid of (4 tokens, 128 hidden channels) computes partial
