@@ -153,7 +153,6 @@ class TritonAttnBackend:
     def _decode(self, q, k_cache, v_cache, out, batch: ForwardBatch, scale: float):
         bs = q.shape[0]
         max_splits = self.split_cap(bs)
-        merge_block = triton.next_power_of_2(max_splits)  # the merge loads all splits as one block
         dims = _head_dim_blocks(self.k_dim, self.v_dim)
         block_n, num_warps, num_stages, _ = _decode_config(self.k_dim)
         one_split = max_splits == 1
@@ -169,6 +168,7 @@ class TritonAttnBackend:
         )
         if one_split:
             return
+        merge_block = triton.next_power_of_2(max_splits)  # the merge loads all splits as one block
         _decode_merge_kernel[(bs, self.num_heads)](
             self.partial_out, self.partial_lse, batch.seq_lens, self.num_kv_splits, out,
             *self.partial_out.stride()[:3], *self.partial_lse.stride()[:2], out.stride(0), out.stride(1),
