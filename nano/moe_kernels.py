@@ -47,9 +47,12 @@ H200: 8 bf16 values are one 16-byte load, so a warp covers 256 columns of a row.
 = 16 rows of gate and of up by BLOCK_K = 512 over 4 warps give each thread 16 such loads per step
 and two float32 tiles of 64 registers; at batch 1 it runs 8 * 88 = 704 programs. down: 8 slots by
 BLOCK_N = 16 rows by BLOCK_K = 128 is 16 loads a thread per step into a float32 tile of 128
-registers; at batch 1, 128 programs. Either way all of an H200's 132 multiprocessors keep tens of
-kilobytes in flight: what streaming at full bandwidth takes. Both products of one layer at batch 1
-take 44 us, 3.2 TB/s (BENCHMARKS.md).
+registers. A single token would get only 128 such programs, about one a multiprocessor, so it
+takes 8 rows by 256 columns on 8 warps: twice the programs, each thread the same 16 loads a step
+(on an H200, 14.8 against 16.2 us a layer; at 4 tokens the 16-row tile is faster, 33.5 against
+39.5). Either way all of an H200's 132 multiprocessors keep tens of kilobytes in flight: what
+streaming at full bandwidth takes. Both products of one layer at batch 1 take about 41 us, 3.4
+TB/s (BENCHMARKS.md).
 
 Everything larger (decode batches with more pairs than half the experts, prefill): `fused_moe_matmul`, a
 grouped matmul in the style of vLLM's and SGLang's fused_moe. With several pairs per expert the
@@ -100,6 +103,7 @@ from nano.triton_ops import PDL, dot_precision, launch_dependents, wait_for_inpu
 
 GATE_UP_BLOCK_N, GATE_UP_BLOCK_K = 16, 512  # the mat-vec kernels' tiles (the module lesson says why)
 DOWN_BLOCK_N, DOWN_BLOCK_K = 16, 128
+ONE_TOKEN_DOWN_TILE = (8, 256, 8)  # (BLOCK_N, BLOCK_K, warps) of a single token's down product
 
 
 @triton.jit
@@ -180,10 +184,11 @@ def down_matvec(h: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor,
     assert h.is_contiguous() and h.shape == (num_tokens, slots, k_dim) and h.dtype == down.dtype
     assert down.stride(-1) == 1 and expert_ids.is_contiguous() and pair_weights.is_contiguous()
     out = torch.empty((num_tokens, n), dtype=h.dtype, device=h.device)  # [T, N]
-    grid = (num_tokens, triton.cdiv(n, DOWN_BLOCK_N))
-    _down_matvec_kernel[grid](h, down, expert_ids, pair_weights, out, down.stride(0), down.stride(1), n, k_dim,
-                              SLOTS=slots, BLOCK_S=triton.next_power_of_2(slots), BLOCK_N=DOWN_BLOCK_N,
-                              BLOCK_K=DOWN_BLOCK_K, num_warps=4, launch_pdl=PDL)
+    block_n, block_k, warps = ONE_TOKEN_DOWN_TILE if num_tokens == 1 else (DOWN_BLOCK_N, DOWN_BLOCK_K, 4)
+    _down_matvec_kernel[(num_tokens, triton.cdiv(n, block_n))](
+        h, down, expert_ids, pair_weights, out, down.stride(0), down.stride(1), n, k_dim,
+        SLOTS=slots, BLOCK_S=triton.next_power_of_2(slots), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        launch_pdl=PDL)
     return out
 
 

@@ -230,9 +230,9 @@ def _store_kv_kernel(
 ):
     """Grid (tokens,): copy one new token's K [Hkv, K_DIM] (and V) into its slot."""
     launch_dependents()
-    wait_for_inputs()
     t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(out_cache_loc + t).to(tl.int64)
+    slot = tl.load(out_cache_loc + t).to(tl.int64)  # the batch's own metadata: readable before the wait
+    wait_for_inputs()
     h = tl.arange(0, BLOCK_H)[:, None]
     dk = tl.arange(0, BLOCK_K)[None, :]
     k_mask = (h < NUM_KV_HEADS) & (dk < K_DIM)
@@ -390,16 +390,16 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr, ONE_SPLIT: tl.constexpr,
 ):
     launch_dependents()
-    wait_for_inputs()
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens + b)
     start, end = _split_range(seq_len, tl.load(num_kv_splits + b), split)
+    token_slots = req_to_token + tl.load(req_pool_indices + b).to(tl.int64) * stride_req
+    wait_for_inputs()
     if start < end:  # splits past this request's count are empty: they write nothing
         h_idx = tl.arange(0, BLOCK_H)
         heads = kv_head * GROUP + h_idx  # [BLOCK_H]; rows past GROUP only pad the dot
         real_head = h_idx < GROUP
         query, query_rope = _load_queries(q + b * stride_qb + heads * stride_qh, real_head, K_MAIN, K_ROPE, BLOCK_DR)
-        token_slots = req_to_token + tl.load(req_pool_indices + b).to(tl.int64) * stride_req
 
         acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
         m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -431,11 +431,11 @@ def _decode_merge_kernel(
     V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, MAX_SPLITS: tl.constexpr,
 ):
     launch_dependents()
-    wait_for_inputs()
     b, h = tl.program_id(0), tl.program_id(1)
     splits = tl.arange(0, MAX_SPLITS)
     start, end = _split_range(tl.load(seq_lens + b), tl.load(num_kv_splits + b), splits)
     written = start < end  # only these splits' partial results exist
+    wait_for_inputs()
     lse = tl.load(partial_lse + b * stride_plb + h * stride_plh + splits, mask=written, other=float("-inf"))
     weight = tl.exp2(lse - tl.max(lse, 0))  # [MAX_SPLITS], 0 for unwritten splits
     dv = tl.arange(0, BLOCK_DV)

@@ -59,12 +59,14 @@ def dot_precision(dtype: torch.dtype) -> str:
 # and wait out their first loads while the GPU reads nothing, and at decode batch 1 most kernels
 # last 1-7 us, so that start is a large share of each. Launched with `launch_pdl=True`, a kernel
 # may start as soon as every program of the kernel before it has called `launch_dependents()`.
-# Every nano kernel is launched so and calls it first thing; then it loads what no kernel writes
-# (weights: a mat-vec's first weight tiles, a norm's weight), so those bytes are in flight while the
-# kernel before finishes; then `wait_for_inputs()`, which returns once that kernel has finished
-# and its writes are visible (and so everything before it), before it reads any activation or
-# writes anything. On an H200 a norm and a mat-vec in a row took 4.8 us instead of 6.3
-# (BENCHMARKS.md). Torch's kernels do neither, and one that follows a nano kernel starts as usual.
+# Every nano kernel is launched so and calls it first thing; then it loads what no kernel of the
+# pass writes, so those bytes are in flight while the kernel before finishes: weights (a mat-vec's
+# first weight tiles, a norm's weight, rope's table) and the batch's metadata (positions, sequence
+# lengths, slots: torch writes them before the embedding, and the first nano kernel starts after
+# that torch kernel has finished). Then `wait_for_inputs()`, which returns once the kernel before
+# has finished and its writes are visible (and so everything before it), before it reads any
+# activation or writes anything. On an H200 a norm and a mat-vec in a row took 4.8 us instead of
+# 6.3 (BENCHMARKS.md). Torch's kernels do neither, and one that follows a nano kernel starts as usual.
 # In Triton's interpreter and on older GPUs both calls do nothing and launches keep stream order.
 PDL = not triton.knobs.runtime.interpret and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 if PDL:
@@ -157,13 +159,13 @@ def _rope_kernel(q_ptr, q_out_ptr, k_ptr, cos_sin_ptr, positions_ptr,
                  HALF: tl.constexpr, HALF_BLOCK: tl.constexpr, Q_HEADS_BLOCK: tl.constexpr,
                  K_HEADS_BLOCK: tl.constexpr):
     launch_dependents()
-    wait_for_inputs()
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token)
     dims = tl.arange(0, HALF_BLOCK)
     angles_row = cos_sin_ptr + position * cos_sin_stride
     cos = tl.load(angles_row + dims, mask=dims < HALF, other=0.0)[None, :]  # [1, HALF_BLOCK]
     sin = tl.load(angles_row + HALF + dims, mask=dims < HALF, other=0.0)[None, :]
+    wait_for_inputs()
     if tl.program_id(1) == 0:
         _rotate_heads(q_ptr + token * q_token_stride, q_head_stride, q_out_ptr + token * q_out_token_stride,
                       q_out_head_stride, num_q_heads, cos, sin, HALF, HALF_BLOCK, Q_HEADS_BLOCK)

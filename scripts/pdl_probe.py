@@ -131,7 +131,7 @@ def down_layouts():
     h = torch.randn(1, 8, inter, device="cuda", dtype=torch.bfloat16)
     megabytes = 8 * HIDDEN * inter * 2 / 1e6
     for tiles in [(16, 128), (8, 256), (4, 512), (16, 256), (8, 512), (2, 1024)]:
-        moe_kernels.DOWN_BLOCK_N, moe_kernels.DOWN_BLOCK_K = tiles
+        moe_kernels.ONE_TOKEN_DOWN_TILE = (*tiles, 4)
         for label, stacks in (("strided", strided), ("contiguous", contiguous)):
             def run(stacks=stacks):
                 for down in stacks:

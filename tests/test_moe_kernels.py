@@ -82,8 +82,9 @@ def check_matvecs(num_tokens: int, slots: int, num_experts: int, inter: int, hid
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("inter, hidden", [(37, 600), (16, 100)])  # K past one block and less than one
-def test_matvecs(inter, hidden, dtype):
-    check_matvecs(num_tokens=4, slots=3, num_experts=5, inter=inter, hidden=hidden, dtype=dtype)
+@pytest.mark.parametrize("num_tokens", [1, 4])  # a single token's down product has tiles of its own
+def test_matvecs(num_tokens, inter, hidden, dtype):
+    check_matvecs(num_tokens=num_tokens, slots=3, num_experts=5, inter=inter, hidden=hidden, dtype=dtype)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 5, 33, 200, 1000])  # 1000: three steps of pairs, the last partial
