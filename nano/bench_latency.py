@@ -15,7 +15,7 @@ copy bandwidth, measured at start (or given with --peak-bandwidth), says how clo
 to the hardware's floor. With --tp-size N the bytes are one GPU's share (tp.py): the N GPUs read
 their shares at the same time, so the floor is that share over one GPU's bandwidth.
 
-torch is imported inside the functions, not at the top: see `cli` in generate.py.
+torch is imported inside the functions, not at the top: see cli.py.
 """
 
 import math

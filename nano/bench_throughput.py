@@ -14,7 +14,7 @@ continuous-batching `generate_batch`, on the first `--peer-prompts` requests (it
 It takes one output length for all requests, so it gets the mean of theirs; both sides count
 the tokens they actually produced.
 
-torch is imported inside the functions, not at the top: see `cli` in generate.py.
+torch is imported inside the functions, not at the top: see cli.py.
 """
 
 import time
