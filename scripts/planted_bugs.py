@@ -115,6 +115,16 @@ BUGS = [
         "    wait_for_inputs()\n    x = _load_tile(x_ptr + cols, cols < K, WHOLE_TILES).to(tl.float32)[None, :]\n",
         "    x = _load_tile(x_ptr + cols, cols < K, WHOLE_TILES).to(tl.float32)[None, :]\n    wait_for_inputs()\n",
         [PDL_RULE]),
+    Bug("PDL: the KV store reads the new keys before the kernel before it has finished", "nano/triton_attn.py",
+        "    wait_for_inputs()\n    h = tl.arange(0, BLOCK_H)[:, None]\n",
+        "    h = tl.arange(0, BLOCK_H)[:, None]\n    k_first = tl.load(k + t * stride_kt)\n    wait_for_inputs()\n",
+        [PDL_RULE]),
+    Bug("PDL: rope rotates the query before the kernel before it has finished", "nano/triton_ops.py",
+        "    wait_for_inputs()\n    if tl.program_id(1) == 0:\n",
+        "    _rotate_heads(q_ptr + token * q_token_stride, q_head_stride, q_out_ptr + token * q_out_token_stride,\n"
+        "                  q_out_head_stride, num_q_heads, cos, sin, HALF, HALF_BLOCK, Q_HEADS_BLOCK)\n"
+        "    wait_for_inputs()\n    if tl.program_id(1) == 0:\n",
+        [PDL_RULE]),
     Bug("PDL: the norm never waits for its input", "nano/triton_ops.py",
         "    weight = tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)\n    wait_for_inputs()\n",
         "    weight = tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)\n",
