@@ -102,8 +102,7 @@ from nano.forward_batch import batch_bucket
 from nano.triton_ops import PDL, dot_precision, launch_dependents, wait_for_inputs
 
 GATE_UP_BLOCK_N, GATE_UP_BLOCK_K = 16, 512  # the mat-vec kernels' tiles (the module lesson says why)
-DOWN_BLOCK_N, DOWN_BLOCK_K = 16, 128
-ONE_TOKEN_DOWN_TILE = (8, 256, 8)  # (BLOCK_N, BLOCK_K, warps) of a single token's down product
+DOWN_TILE, ONE_TOKEN_DOWN_TILE = (16, 128, 4), (8, 256, 8)  # the down product's (BLOCK_N, BLOCK_K, warps)
 
 
 @triton.jit
@@ -184,7 +183,7 @@ def down_matvec(h: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor,
     assert h.is_contiguous() and h.shape == (num_tokens, slots, k_dim) and h.dtype == down.dtype
     assert down.stride(-1) == 1 and expert_ids.is_contiguous() and pair_weights.is_contiguous()
     out = torch.empty((num_tokens, n), dtype=h.dtype, device=h.device)  # [T, N]
-    block_n, block_k, warps = ONE_TOKEN_DOWN_TILE if num_tokens == 1 else (DOWN_BLOCK_N, DOWN_BLOCK_K, 4)
+    block_n, block_k, warps = ONE_TOKEN_DOWN_TILE if num_tokens == 1 else DOWN_TILE
     _down_matvec_kernel[(num_tokens, triton.cdiv(n, block_n))](
         h, down, expert_ids, pair_weights, out, down.stride(0), down.stride(1), n, k_dim,
         SLOTS=slots, BLOCK_S=triton.next_power_of_2(slots), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,

@@ -34,9 +34,8 @@ down = (torch.randn(HIDDEN, (E + SHARED) * INTER, device="cuda", dtype=torch.bfl
 fused_candidates = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
                     for m, n, k, w, s in itertools.product([16, 32, 64], [64, 128], [64, 128, 256], [4, 8], [3, 4])
                     if not (m == 64 and k == 256)]
-matvec_candidates = [dict(GATE_UP_BLOCK_N=gn, GATE_UP_BLOCK_K=gk, DOWN_BLOCK_N=dn, DOWN_BLOCK_K=dk,
-                          ONE_TOKEN_DOWN_TILE=(dn, dk, warps))  # one tile at any token count (4 warps from 2)
-                     for (gn, gk), (dn, dk, warps) in itertools.product(
+matvec_candidates = [dict(GATE_UP_BLOCK_N=gn, GATE_UP_BLOCK_K=gk, DOWN_TILE=down, ONE_TOKEN_DOWN_TILE=down)
+                     for (gn, gk), down in itertools.product(
                          [(8, 256), (16, 256), (32, 256), (16, 128), (16, 512), (4, 512), (8, 512), (4, 1024)],
                          [(4, 128, 4), (8, 128, 4), (16, 128, 4), (8, 64, 4), (8, 256, 4), (8, 256, 8), (4, 256, 4),
                           (16, 256, 8), (4, 512, 4), (2, 512, 4)])]
