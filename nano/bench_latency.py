@@ -51,18 +51,6 @@ def measure_copy_bandwidth(device, nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / statistics.median(times)
 
 
-def describe_bandwidth(args, device) -> float:
-    """The peak bandwidth (bytes/s) the floor is computed from; prints where it came from."""
-    import torch
-
-    if args.peak_bandwidth:
-        print(f"peak bandwidth {args.peak_bandwidth:.0f} GB/s (given)")
-        return args.peak_bandwidth * 1e9
-    peak = measure_copy_bandwidth(device)
-    print(f"{torch.cuda.get_device_name(device)}: device-to-device copy {peak / 1e9:.0f} GB/s (measured now)")
-    return peak
-
-
 def weight_bytes_per_step(model, batch_size: int) -> float:
     """Bytes of weights one decode step reads: all but the embedding table (unless it doubles as
     lm_head); of a MoE layer's routed experts, the expected number a batch touches."""
@@ -117,7 +105,7 @@ def build_parser() -> ArgumentParser:
 
 
 def run(args):
-    from nano.kv_cache import kv_bytes_per_token
+    import torch
 
     if min(args.batch_size) < 1 or args.input_len < 1 or args.output_len < 2:
         raise UsageError("--batch-size and --input-len must be >= 1, --output-len >= 2")
@@ -143,8 +131,13 @@ def run(args):
     ranks = f" (rank 0 of {engine.tp.size})" if engine.tp else ""
     print(f"{args.model}: {engine.cfg.architecture}, {engine.dtype}, {engine.device}{ranks}, CUDA graphs {graphs}, "
           f"attention {type(engine.attn).__name__}")
-    peak = describe_bandwidth(args, engine.device) if engine.device.type == "cuda" else None
-    kv_per_token = kv_bytes_per_token(engine.model.cfg, engine.dtype, engine.use_mla)
+    peak = None  # bytes/s of the floor: given, or measured now
+    if args.peak_bandwidth and engine.device.type == "cuda":
+        peak = args.peak_bandwidth * 1e9
+        print(f"peak bandwidth {args.peak_bandwidth:.0f} GB/s (given)")
+    elif engine.device.type == "cuda":
+        peak = measure_copy_bandwidth(engine.device)
+        print(f"{torch.cuda.get_device_name(engine.device)}: device-to-device copy {peak / 1e9:.0f} GB/s (measured now)")
     per_rank = f" by each of {engine.tp.size} ranks" if engine.tp else ""
 
     for bs in args.batch_size:
@@ -156,7 +149,7 @@ def run(args):
         print(f"Decode.  median latency: {median:.5f} s, median throughput: {bs / median:9.2f} token/s")
         weights = weight_bytes_per_step(engine.model, bs)
         # the KV read by a middle decode step: every request holds about input_len + output_len / 2 tokens
-        kv = bs * (args.input_len + args.output_len // 2) * kv_per_token
+        kv = bs * (args.input_len + args.output_len // 2) * engine.kv_bytes_per_token
         achieved = (weights + kv) / median
         line = (f"Bytes read per decode step{per_rank}: {weights / 1e9:.2f} GB weights + {kv / 1e9:.3f} GB KV; "
                 f"achieved {achieved / 1e9:.0f} GB/s")

@@ -37,14 +37,12 @@ def capture_batch_sizes(max_bs: int) -> list[int]:
 
 class StaticDecodeInputs:
     """The decode inputs every graph reads: one buffer each, sized for the largest batch."""
-    FIELDS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens")
+    FIELDS = {"input_ids": torch.int64, "positions": torch.int64, "out_cache_loc": torch.int32,
+              "req_pool_indices": torch.int32, "seq_lens": torch.int32}
 
     def __init__(self, max_bs: int, device):
-        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self.out_cache_loc = torch.zeros(max_bs, dtype=torch.int32, device=device)
-        self.req_pool_indices = torch.zeros(max_bs, dtype=torch.int32, device=device)
-        self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
+        for name, dtype in self.FIELDS.items():  # as padding fills them (below)
+            setattr(self, name, torch.full((max_bs,), int(name == "seq_lens"), dtype=dtype, device=device))
 
     def batch(self, bs: int) -> ForwardBatch:
         """A decode batch over the first bs rows of the buffers."""

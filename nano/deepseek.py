@@ -85,18 +85,19 @@ class MLAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.nope_dim + self.rope_dim)  # [T, H, 192]
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)  # [T, H, 128], [T, H, 64]
         # kv [T, 576] becomes the row the cache stores, [c | k_pe], in place: the norm turns the
-        # latent into c and leaves the rope key alone, rope rotates k_pe (and q_pe).
-        latent, k_pe = kv.split([self.latent_dim, self.rope_dim], dim=-1)
-        c = self.kv_a_layernorm(latent, out=latent)  # [T, 512]
+        # latent into c and leaves the rope key alone, rope rotates k_pe (and q_pe). The norm runs
+        # in rope's launch (ops.apply_rope_), one kernel fewer.
+        latent, k_pe = kv.split([self.latent_dim, self.rope_dim], dim=-1)  # [T, 512], [T, 64]
+        latent_norm = (latent, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps)  # latent -> c
         k_pe = k_pe.unsqueeze(1)  # [T, 1, 64]
         if self.use_mla:
-            out = self._attend_absorbed(q_nope, q_pe, k_pe, kv.unsqueeze(1), batch, attn)
+            out = self._attend_absorbed(q_nope, q_pe, k_pe, kv.unsqueeze(1), latent_norm, batch, attn)
         else:
-            self.rotary(batch.positions, q_pe, k_pe)
-            out = self._attend_expanded(q_nope, q_pe, c, k_pe, batch, attn)
+            self.rotary(batch.positions, q_pe, k_pe, norm=latent_norm)
+            out = self._attend_expanded(q_nope, q_pe, latent, k_pe, batch, attn)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
 
-    def _attend_absorbed(self, q_nope, q_pe, k_pe, key, batch, attn):
+    def _attend_absorbed(self, q_nope, q_pe, k_pe, key, latent_norm, batch, attn):
         # Per-head views of kv_b_proj (no copies), taken afresh each call so they follow the
         # weight through any later `.to()`.
         per_head = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.latent_dim)
@@ -106,7 +107,7 @@ class MLAttention(nn.Module):
         query = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.latent_dim + self.rope_dim)
         q_lat, q_rope = query.split([self.latent_dim, self.rope_dim], dim=-1)
         torch.bmm(q_nope.transpose(0, 1), w_uk, out=q_lat.transpose(0, 1))
-        self.rotary(batch.positions, q_pe, k_pe, q_out=q_rope)
+        self.rotary(batch.positions, q_pe, k_pe, q_out=q_rope, norm=latent_norm)
         # key [T, 1, 576] is the cached row; the value is the latent c: its first 512 channels (a
         # view, as in kv_cache.py).
         o_lat = attn.forward(query, key, key[..., : self.latent_dim], self.layer_id, batch, self.scale)  # [T, H, 512]

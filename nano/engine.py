@@ -159,10 +159,10 @@ class Engine:
         that, room for one request of the full context) fit, then build and fill the model."""
         config, cfg = self.config, self.cfg
         self.context_length = min(config.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        per_token = kv_bytes_per_token(shard_cfg, self.dtype, self.use_mla)
+        self.kv_bytes_per_token = kv_bytes_per_token(shard_cfg, self.dtype, self.use_mla)
         ensure_fits(self.device, self.dtype, {
             f"{str(self.dtype).removeprefix('torch.')} weights": model_bytes(shard_cfg, self.dtype, self.use_mla),
-            "KV cache": (config.max_total_tokens or self.context_length) * per_token,
+            "KV cache": (config.max_total_tokens or self.context_length) * self.kv_bytes_per_token,
             "request table": config.max_running_requests * self.context_length * 4,
         })
         started = time.perf_counter()
@@ -178,8 +178,7 @@ class Engine:
                     f"in {time.perf_counter() - started:.1f} s{split}")
 
     def _build_kv_cache(self, shard_cfg):
-        config = self.config
-        per_token = kv_bytes_per_token(shard_cfg, self.dtype, self.use_mla)
+        config, per_token = self.config, self.kv_bytes_per_token
         capacity = config.max_total_tokens or tokens_for_memory(shard_cfg, self.dtype, self.device, self.use_mla,
                                                                config.mem_fraction)
         if self.tp is not None:  # every rank's pool must have every slot rank 0 hands out
@@ -327,10 +326,8 @@ class Engine:
         asked, logprobs = self._token_logprobs(reqs, logits, tokens)
         if not tokens.is_cuda:
             return DecodePass(reqs, tokens, tokens, None, asked, logprobs)
-        on_device = (tokens, *logprobs)
-        host_tokens, *host_logprobs = (torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in on_device)
-        for host, device in zip((host_tokens, *host_logprobs), on_device):
-            host.copy_(device, non_blocking=True)
+        host_tokens, *host_logprobs = (torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                                       for t in (tokens, *logprobs))
         copied = torch.cuda.Event()
         copied.record()
         return DecodePass(reqs, tokens, host_tokens, copied, asked, tuple(host_logprobs))

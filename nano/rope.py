@@ -78,8 +78,10 @@ class RotaryEmbedding(torch.nn.Module):
             cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1) * magnitude
         self.register_buffer("cos_sin", cos_sin.to(torch.get_default_device()), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor | None = None):
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor | None = None,
+                norm: tuple | None = None):
         """Rotate q [T, H, rot_dim] and k [T, Hkv, rot_dim] by their token's position [T], in place:
         they are usually views into a projection's output, which then holds the rotated rows. With
-        q_out, the rotated q goes there instead (DeepSeek: into its attention query)."""
-        ops.apply_rope_(q, k, self.cos_sin, positions, q_out)
+        q_out, the rotated q goes there instead (DeepSeek: into its attention query); with norm
+        (x, weight, eps), x's rows are also normalised in place (DeepSeek's latent)."""
+        ops.apply_rope_(q, k, self.cos_sin, positions, q_out, norm)

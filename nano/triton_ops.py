@@ -18,7 +18,8 @@ How each kernel splits the work:
 - apply_rope_: a grid of (token, 2): program 0 rotates all of the token's query heads, program 1
   all its key heads, each as two [heads, d/2] tiles (the halves); the token's cos/sin row is
   loaded once and broadcast over heads. It writes in place, or the query heads into `q_out`
-  (DeepSeek's absorbed query: deepseek.py).
+  (DeepSeek's absorbed query: deepseek.py). A third program per token may run an RMSNorm of
+  another row in the same launch (DeepSeek's latent, whose norm is due at the same point).
 - silu_and_mul: a grid of (token, block of columns) over the [T, I] output; a program reads its
   columns of gate and the same columns of up, I elements further along the row.
 - route (a MoE router, deepseek.py): a grid of (4 tokens, 128 hidden channels) computes partial
@@ -103,10 +104,16 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
         x = x.to(new_residual_ptr.dtype.element_ty)
         tl.store(new_residual_ptr + row * new_residual_row_stride + cols, x, mask=in_row)
         x = x.to(tl.float32)
+    _store_normed(x, weight, hidden, eps, out_ptr + row * out_row_stride + cols, in_row)
+
+
+@triton.jit
+def _store_normed(x, weight, hidden, eps, out_ptrs, in_row):
+    """Store rms_norm(x) * weight (x, weight: one row in float32) at out_ptrs."""
     mean_square = tl.sum(x * x, axis=0) / hidden
     # HF order: normalise in float32, round to the activation dtype, then multiply by the weight.
-    normed = (x * tl.rsqrt(mean_square + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * out_row_stride + cols, (weight * normed).to(out_ptr.dtype.element_ty), mask=in_row)
+    normed = (x * tl.rsqrt(mean_square + eps)).to(out_ptrs.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptrs, (weight * normed).to(out_ptrs.dtype.element_ty), mask=in_row)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -153,47 +160,57 @@ def _rotate_heads(x_ptr, head_stride, out_ptr, out_head_stride, num_heads, cos, 
 
 
 @triton.jit
-def _rope_kernel(q_ptr, q_out_ptr, k_ptr, cos_sin_ptr, positions_ptr,
+def _rope_kernel(q_ptr, q_out_ptr, k_ptr, cos_sin_ptr, positions_ptr, norm_ptr, norm_weight_ptr,
                  q_token_stride, q_head_stride, q_out_token_stride, q_out_head_stride,
-                 k_token_stride, k_head_stride, cos_sin_stride, num_q_heads, num_k_heads,
-                 HALF: tl.constexpr, HALF_BLOCK: tl.constexpr, Q_HEADS_BLOCK: tl.constexpr,
-                 K_HEADS_BLOCK: tl.constexpr):
+                 k_token_stride, k_head_stride, cos_sin_stride, norm_token_stride, num_q_heads, num_k_heads,
+                 norm_width, eps, HALF: tl.constexpr, HALF_BLOCK: tl.constexpr, Q_HEADS_BLOCK: tl.constexpr,
+                 K_HEADS_BLOCK: tl.constexpr, NORM_BLOCK: tl.constexpr):
     launch_dependents()
-    token = tl.program_id(0).to(tl.int64)
+    token, part = tl.program_id(0).to(tl.int64), tl.program_id(1)
     position = tl.load(positions_ptr + token)
     dims = tl.arange(0, HALF_BLOCK)
     angles_row = cos_sin_ptr + position * cos_sin_stride
     cos = tl.load(angles_row + dims, mask=dims < HALF, other=0.0)[None, :]  # [1, HALF_BLOCK]
     sin = tl.load(angles_row + HALF + dims, mask=dims < HALF, other=0.0)[None, :]
+    cols = tl.arange(0, NORM_BLOCK)
+    in_row = cols < norm_width
+    norm_weight = tl.load(norm_weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
     wait_for_inputs()
-    if tl.program_id(1) == 0:
+    if part == 0:
         _rotate_heads(q_ptr + token * q_token_stride, q_head_stride, q_out_ptr + token * q_out_token_stride,
                       q_out_head_stride, num_q_heads, cos, sin, HALF, HALF_BLOCK, Q_HEADS_BLOCK)
-    else:
+    elif part == 1:
         k_row = k_ptr + token * k_token_stride
         _rotate_heads(k_row, k_head_stride, k_row, k_head_stride, num_k_heads, cos, sin,
                       HALF, HALF_BLOCK, K_HEADS_BLOCK)
+    else:  # the norm that shares the launch, in place
+        norm_row = norm_ptr + token * norm_token_stride + cols
+        x = tl.load(norm_row, mask=in_row, other=0.0).to(tl.float32)
+        _store_normed(x, norm_weight, norm_width, eps, norm_row, in_row)
 
 
 def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor,
-                q_out: torch.Tensor | None = None):
+                q_out: torch.Tensor | None = None, norm: tuple | None = None):
     """Rotate q [T, H, d] and k [T, Hkv, d] in place by their tokens' positions [T] (rope.py's
     rotate-halves convention); q into q_out instead when given. cos_sin [max_positions, d] float32
     is RotaryEmbedding.cos_sin. All may be strided views (last dimension contiguous), e.g. slices
-    of a fused qkv output."""
+    of a fused qkv output. norm (x [T, width], weight [width], eps): an RMSNorm of x's rows, in
+    place, in the same launch (a third program a token)."""
     num_tokens, num_q_heads, rot_dim = q.shape
     q_out = q if q_out is None else q_out
     assert k.shape[0] == positions.shape[0] == num_tokens and k.shape[2] == rot_dim == cos_sin.shape[1]
     assert q_out.shape == q.shape and rot_dim % 2 == 0
     assert q.stride(2) == q_out.stride(2) == k.stride(2) == cos_sin.stride(1) == 1
+    norm_x, norm_weight, eps = norm or (k, cos_sin, 0.0)  # without a norm its program is not launched
+    assert norm is None or (norm_x.shape == (num_tokens, norm_weight.shape[0]) and norm_x.stride(-1) == 1)
     half = rot_dim // 2
-    _rope_kernel[(num_tokens, 2)](
-        q, q_out, k, cos_sin, positions,
+    _rope_kernel[(num_tokens, 2 if norm is None else 3)](
+        q, q_out, k, cos_sin, positions, norm_x, norm_weight,
         q.stride(0), q.stride(1), q_out.stride(0), q_out.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),
-        num_q_heads, k.shape[1],
+        norm_x.stride(0), num_q_heads, k.shape[1], norm_weight.shape[-1] if norm else 0, eps,
         HALF=half, HALF_BLOCK=triton.next_power_of_2(half),
         Q_HEADS_BLOCK=triton.next_power_of_2(num_q_heads), K_HEADS_BLOCK=triton.next_power_of_2(k.shape[1]),
-        num_warps=4, launch_pdl=PDL,
+        NORM_BLOCK=triton.next_power_of_2(norm_weight.shape[-1]) if norm else 16, num_warps=4, launch_pdl=PDL,
     )
 
 

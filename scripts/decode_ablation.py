@@ -7,9 +7,9 @@ patched out or changed. Removals make the tokens wrong on purpose: only the timi
     python scripts/decode_ablation.py gqa-tile=16.2.3 --bench throughput -- --model llama-3-8b --load-format dummy
 
 Variants: none (as is); no-merge (decode attention's merge kernel); no-store (the KV store);
-no-attention (store, split and merge); no-latent-norm (MLA's norm of the 512-wide latent);
-no-router (DeepSeek's router, replaced by fixed expert ids); cublaslt-96 (linear layers of 2-96
-rows through cuBLASLt instead of cuBLAS); gqa-tile=BLOCK_N.WARPS.STAGES (decode attention's tile
+no-attention (store, split and merge); no-latent-norm (MLA's norm of the 512-wide latent, the
+third program of rope's launch); no-router (DeepSeek's router, replaced by fixed expert ids);
+cublaslt-96 (linear layers of 2-96 rows through cuBLASLt instead of cuBLAS); gqa-tile=BLOCK_N.WARPS.STAGES (decode attention's tile
 for 128-wide heads, every batch size). Run on a GPU (BENCHMARKS.md, fifth round).
 """
 
@@ -23,7 +23,6 @@ sys.path.insert(0, ".")
 import nano.deepseek as deepseek  # noqa: E402
 import nano.triton_attn as triton_attn  # noqa: E402
 import nano.triton_ops as triton_ops  # noqa: E402
-from nano.model import RMSNorm  # noqa: E402
 
 
 class _Skipped:
@@ -70,9 +69,10 @@ def apply(variant: str):
         triton_attn._store_kv_kernel = _Skipped()
     if name == "no-attention":
         triton_attn._decode_split_kernel = _Skipped()
-    if name == "no-latent-norm":  # the only RMSNorm that writes in place over a 512-wide row
-        norm = RMSNorm.forward
-        RMSNorm.forward = lambda self, x, out=None: out if out is not None and x.shape[-1] == 512 else norm(self, x, out)
+    if name == "no-latent-norm":  # rope's launch without its third program
+        rope = triton_ops.apply_rope_
+        triton_ops.apply_rope_ = lambda q, k, cos_sin, positions, q_out=None, norm=None: rope(q, k, cos_sin,
+                                                                                             positions, q_out)
     if name == "no-router":
         _fixed_router()
     if name == "cublaslt-96":

@@ -63,13 +63,14 @@ def check_silu_and_mul(num_tokens: int, intermediate: int, dtype: torch.dtype):
 
 
 def check_rope(rotary: RotaryEmbedding, buffers: tuple[torch.Tensor, ...], carve, positions: torch.Tensor):
-    """carve(*buffers) -> (q, k) or (q, k, q_out): views into the buffers. Rotates q and k in place,
-    or q into q_out; everything else in the buffers must be left as it was."""
+    """carve(*buffers) -> (q, k, options): views into the buffers, options apply_rope_'s q_out and
+    norm. Rotates q and k in place, or q into q_out, and norms the norm's rows in place; everything
+    else in the buffers must be left as it was."""
     expected = tuple(b.clone() for b in buffers)
-    q, k, *q_out = carve(*expected)
-    ops.apply_rope_.reference(q, k, rotary.cos_sin, positions, *q_out)
-    q, k, *q_out = carve(*buffers)
-    apply_rope_(q, k, rotary.cos_sin, positions, *q_out)
+    q, k, options = carve(*expected)
+    ops.apply_rope_.reference(q, k, rotary.cos_sin, positions, **options)
+    q, k, options = carve(*buffers)
+    apply_rope_(q, k, rotary.cos_sin, positions, **options)
     for out, ref in zip(buffers, expected, strict=True):
         assert_close(out, ref)
 
@@ -84,7 +85,7 @@ def check_rope_fused_qkv(num_tokens: int, num_heads: int, num_kv_heads: int, hea
 
     def carve(qkv):
         q, k, _ = qkv.split(sizes, dim=-1)
-        return q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim)
+        return q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim), {}
 
     positions = torch.randint(0, max_positions, (num_tokens,), device=DEVICE)
     check_rope(rotary, (qkv,), carve, positions)
@@ -110,23 +111,31 @@ def test_rope_on_fused_qkv(dtype):
     check_rope_fused_qkv(5, num_heads=9, num_kv_heads=3, head_dim=64, dtype=dtype, scaling=None)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("into_query", [False, True], ids=["in place", "into the query"])
-def test_rope_on_deepseek_slices(dtype, into_query):
+def check_rope_deepseek_slices(num_tokens: int, dtype: torch.dtype, into_query: bool):
     """MLA rotates q_pe = q[..., 128:192] of every head and the one shared k_pe [T, 1, 64], the
-    last 64 columns of the kv_a projection [T, 576]; absorbed, it writes q_pe into the last 64
-    channels of the attention query [T, H, 576] instead."""
-    num_tokens, num_heads, nope, rope = 5, 16, 128, 64
+    last 64 columns of the kv_a projection [T, 576], and in the same launch norms the latent, its
+    first 512; absorbed, it writes q_pe into the last 64 channels of the attention query [T, H, 576]
+    instead."""
+    num_heads, nope, rope = 16, 128, 64
     rotary = RotaryEmbedding(rope, 8192, 10000.0, DEEPSEEK_YARN).to(DEVICE)
     q = randn(num_tokens, num_heads, nope + rope, dtype=dtype)
     kv_a = randn(num_tokens, 512 + rope, dtype=dtype)
     query = randn(num_tokens, num_heads, 512 + rope, dtype=dtype)
+    weight = 1 + 0.1 * randn(512, dtype=dtype)
 
     def carve(q, kv_a, query):  # q_pe [T, H, 64], k_pe [T, 1, 64] (, the query's q_pe [T, H, 64])
-        return q[..., nope:], kv_a[:, 512:].unsqueeze(1), *([query[..., 512:]] if into_query else [])
+        options = {"norm": (kv_a[:, :512], weight, 1e-6)} | ({"q_out": query[..., 512:]} if into_query else {})
+        return q[..., nope:], kv_a[:, 512:].unsqueeze(1), options
 
-    positions = torch.tensor([0, 8191, 7, 4096, 5000], device=DEVICE)
+    positions = torch.randint(0, 8192, (num_tokens,), device=DEVICE)
+    positions[:2] = torch.tensor([0, 8191])[:num_tokens]  # the table's first and last rows
     check_rope(rotary, (q, kv_a, query), carve, positions)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("into_query", [False, True], ids=["in place", "into the query"])
+def test_rope_on_deepseek_slices(dtype, into_query):
+    check_rope_deepseek_slices(5, dtype, into_query)
 
 
 def check_route(num_tokens, hidden, num_experts, top_k, num_shared, renormalize, dtype):
@@ -206,6 +215,12 @@ def test_gpu_silu_and_mul(num_tokens):
 @pytest.mark.parametrize("num_tokens", [1, 7, 160])
 def test_gpu_rope(num_tokens):
     check_rope_fused_qkv(num_tokens, 32, 8, 128, torch.bfloat16, LLAMA_3_1_SCALING)
+
+
+@gpu
+@pytest.mark.parametrize("num_tokens", [1, 160])
+def test_gpu_rope_on_deepseek_slices(num_tokens):
+    check_rope_deepseek_slices(num_tokens, torch.bfloat16, into_query=True)
 
 
 @gpu
