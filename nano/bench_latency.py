@@ -137,7 +137,8 @@ def run(args):
         print(f"peak bandwidth {args.peak_bandwidth:.0f} GB/s (given)")
     elif engine.device.type == "cuda":
         peak = measure_copy_bandwidth(engine.device)
-        print(f"{torch.cuda.get_device_name(engine.device)}: device-to-device copy {peak / 1e9:.0f} GB/s (measured now)")
+        device = torch.cuda.get_device_name(engine.device)
+        print(f"{device}: device-to-device copy {peak / 1e9:.0f} GB/s (measured now)")
     per_rank = f" by each of {engine.tp.size} ranks" if engine.tp else ""
 
     for bs in args.batch_size:

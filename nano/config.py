@@ -73,13 +73,18 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ConfigError(f"{model_dir}: no config.json (is this a Hugging Face model folder?)")
+    return parse_config(read_json(path), source=str(path))
+
+
+def read_json(path: Path, error: type[Exception] = ConfigError) -> dict:
+    """The JSON object in `path`; anything else raises `error` with a one-line message."""
     try:
-        raw = json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: malformed JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a JSON object")
-    return parse_config(raw, source=str(path))
+        raise error(f"{path}: malformed JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise error(f"{path}: expected a JSON object")
+    return data
 
 
 def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:

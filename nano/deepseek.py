@@ -109,11 +109,10 @@ class MLAttention(nn.Module):
         torch.bmm(q_nope.transpose(0, 1), w_uk, out=q_lat.transpose(0, 1))
         self.rotary(batch.positions, q_pe, k_pe, q_out=q_rope, norm=latent_norm)
         # key [T, 1, 576] is the cached row; the value is the latent c: its first 512 channels (a
-        # view, as in kv_cache.py).
-        o_lat = attn.forward(query, key, key[..., : self.latent_dim], self.layer_id, batch, self.scale)  # [T, H, 512]
-        out = o_lat.new_empty(o_lat.shape[0], self.num_heads, self.v_dim)  # [T, H, 128]: o_proj's input rows
-        torch.bmm(o_lat.transpose(0, 1), w_uv.mT, out=out.transpose(0, 1))  # head by head, straight into them
-        return out
+        # view, as in kv_cache.py). The backend multiplies each head's o_lat by W_UV, so that it can
+        # do so in its last kernel (triton_attn.py).
+        value = key[..., : self.latent_dim]
+        return attn.forward(query, key, value, self.layer_id, batch, self.scale, v_proj=w_uv)  # [T, H, 128]
 
     def _attend_expanded(self, q_nope, q_pe, c, k_pe, batch, attn):
         num_tokens = c.shape[0]

@@ -120,5 +120,6 @@ class AttentionBackend(Protocol):
         """Per-pass state shared by every layer (e.g. decode split counts). Called once per pass."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, layer_id: int,
-                batch: ForwardBatch, scale: float) -> torch.Tensor:
-        """Store the new tokens' k/v in the pool, attend -> [T, H, v_dim]."""
+                batch: ForwardBatch, scale: float, v_proj: torch.Tensor | None = None) -> torch.Tensor:
+        """Store the new tokens' k/v in the pool, attend -> [T, H, v_dim]; with v_proj [H, P, v_dim],
+        multiply each head's output by its own matrix -> [T, H, P] (MLA's W_UV, deepseek.py)."""

@@ -31,6 +31,8 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from nano.config import read_json
+
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder writes for bytes that are not (yet) a whole character
 
 
@@ -183,12 +185,7 @@ class Detokenizer:
 
 
 def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TokenizerError(f"{path}: malformed JSON ({e})") from None
+    return read_json(path, TokenizerError) if path.is_file() else {}  # the file is optional
 
 
 def _token_text(token) -> str | None:

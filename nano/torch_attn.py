@@ -26,8 +26,9 @@ class TorchAttnBackend:
     def init_forward_metadata(self, batch: ForwardBatch):
         pass  # everything this backend needs is in the batch already
 
-    def forward(self, q, k, v, layer_id: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
-        """q [T, H, k_dim], k [T, Hkv, k_dim], v [T, Hkv, v_dim] -> [T, H, v_dim]."""
+    def forward(self, q, k, v, layer_id: int, batch: ForwardBatch, scale: float, v_proj=None) -> torch.Tensor:
+        """q [T, H, k_dim], k [T, Hkv, k_dim], v [T, Hkv, v_dim] -> [T, H, v_dim]; with v_proj
+        [H, P, v_dim] (MLA's W_UV), each head's output times its own matrix -> [T, H, P]."""
         self.kv_pool.store(layer_id, batch.out_cache_loc, k, v)
         k_cache, v_cache = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
         num_heads, v_dim = q.shape[1], v_cache.shape[-1]
@@ -53,4 +54,11 @@ class TorchAttnBackend:
             scores.masked_fill_(key_pos[None, :] > query_pos[:, None], float("-inf"))
             probs = scores.softmax(dim=-1)
             out[start : start + n] = torch.einsum("hns,shd->nhd", probs, values).to(q.dtype)
-        return out
+        return out if v_proj is None else project_values(out, v_proj)
+
+
+def project_values(out: torch.Tensor, v_proj: torch.Tensor) -> torch.Tensor:
+    """out [T, H, v_dim], v_proj [H, P, v_dim] -> [T, H, P]: head by head, one batched matmul."""
+    projected = out.new_empty(out.shape[0], out.shape[1], v_proj.shape[1])
+    torch.bmm(out.transpose(0, 1), v_proj.mT, out=projected.transpose(0, 1))  # straight into the [T, H, P] rows
+    return projected

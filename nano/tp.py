@@ -76,7 +76,6 @@ from nano.forward_batch import ForwardBatch
 from nano.model import CausalLM
 
 # ---- what each rank holds ---------------------------------------------------------------------
-
 # Checkpoint matrices by role (the module name before ".weight"); every other tensor is replicated.
 SPLIT_ROWS = {"q_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head"}
 SPLIT_COLUMNS = {"o_proj", "down_proj"}
@@ -116,7 +115,6 @@ def checkpoint_shard(name: str, cfg: ModelConfig, rank: int, size: int) -> tuple
 
 
 # ---- the ranks and what passes between them ---------------------------------------------------
-
 class TensorParallel:
     """This process's place among the ranks, and every collective the model and the engine use.
     Rank 0 also holds the pipes to the workers and the worker processes."""
@@ -241,7 +239,6 @@ def launch(cfg: ModelConfig, size: int, device: torch.device, worker) -> TensorP
 
 
 # ---- the model's communication ----------------------------------------------------------------
-
 def parallelize(model: CausalLM, group: TensorParallel):
     """Add the communication to a model built from shard_config's shapes and filled with its shards
     (loader.py), in place: an all-reduce after each block half, vocabulary-parallel embedding and

@@ -54,6 +54,7 @@ import triton.language as tl
 
 from nano.forward_batch import ForwardBatch, batch_bucket
 from nano.kv_cache import KVPool
+from nano.torch_attn import project_values
 from nano.triton_ops import PDL, dot_precision, launch_dependents, wait_for_inputs
 
 # The most chunks one request's tokens are split into, and so the size of the partial-result
@@ -63,22 +64,22 @@ MAX_KV_SPLITS = 64
 # One program of decode stage 1 serves all query heads of a KV head, padded to one 16-row tile.
 MAX_GROUP = 16
 LOG2E = 1.4426950408889634
+# A per-head value projection (MLA's W_UV) rides in the merge up to this batch bucket: a merge program
+# loads its PROJECTION_ROWS rows of the head's matrix before the wait, one launch for the merge and a
+# batched matmul that cannot start early. Larger batches run the matmul, whose matrix units pay there.
+PROJECT_IN_MERGE_MAX_BATCH, PROJECTION_ROWS = 8, 16
 
 
 class TritonAttnBackend:
     def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor, max_batch_size: int, num_heads: int):
-        self.kv_pool, self.req_to_token = kv_pool, req_to_token
-        self.num_heads = num_heads
+        self.kv_pool, self.req_to_token, self.num_heads = kv_pool, req_to_token, num_heads
         _, self.num_kv_heads, self.k_dim = kv_pool.k_buffers[0].shape
         self.v_dim = kv_pool.v_buffers[0].shape[-1]
         self.group = num_heads // self.num_kv_heads  # query heads per KV head
         assert self.group * self.num_kv_heads == num_heads and self.group <= MAX_GROUP
 
-        device = req_to_token.device
-        if device.type == "cuda":
-            num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-        else:  # the interpreter: behave as on an H200, so CPU tests split like the GPU does
-            num_sms = 132
+        device = req_to_token.device  # the interpreter behaves as an H200, so CPU tests split as the GPU does
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
         # A split reads at least one tile of tokens: a shorter one costs more in writing and
         # merging its partial output than it gains.
         self.min_split_tokens, _, _, programs_per_sm = _decode_config(self.k_dim)
@@ -108,30 +109,33 @@ class TritonAttnBackend:
         and the decode grid, sized by the cap, launches no programs that could never have work."""
         return max(1, min(MAX_KV_SPLITS, self.target_programs // (batch_bucket(bs) * self.num_kv_heads)))
 
-    def forward(self, q, k, v, layer_id: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
-        """q [T, H, k_dim], k [T, Hkv, k_dim], v [T, Hkv, v_dim] -> [T, H, v_dim]."""
+    def forward(self, q, k, v, layer_id: int, batch: ForwardBatch, scale: float, v_proj=None) -> torch.Tensor:
+        """q [T, H, k_dim], k [T, Hkv, k_dim], v [T, Hkv, v_dim] -> [T, H, v_dim]; with v_proj
+        [H, P, v_dim], each head's output times its own matrix -> [T, H, P] (in the merge, or after)."""
         k_cache, v_cache = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
-        out = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
-        for t in (q, k, v, k_cache, v_cache, out):
+        bs = q.shape[0]
+        in_merge = (v_proj is not None and batch.is_decode and self.split_cap(bs) > 1
+                    and batch_bucket(bs) <= PROJECT_IN_MERGE_MAX_BATCH)
+        out = q.new_empty(bs, self.num_heads, v_proj.shape[1] if in_merge else self.v_dim)
+        for t in (q, k, v, k_cache, v_cache, out, *([v_proj] if in_merge else [])):
             assert t.stride(-1) == 1, "kernels assume the channel dimension is contiguous"
         self._store_kv(k, v, k_cache, v_cache, batch.out_cache_loc)
         if batch.is_decode:
-            self._decode(q, k_cache, v_cache, out, batch, scale)
+            self._decode(q, k_cache, v_cache, out, batch, scale, v_proj if in_merge else None)
         else:
             self._extend(q, k, v, k_cache, v_cache, out, batch, scale)
-        return out
+        return out if v_proj is None or in_merge else project_values(out, v_proj)
 
     def _store_kv(self, k, v, k_cache, v_cache, out_cache_loc):
         """Write the new tokens' K (and V) into their pool slots. One launch: torch's indexed copy
         takes four (index casts and copies for K and V)."""
-        has_v = not self.kv_pool.use_mla  # MLA: the cached value is part of the key row, stored with it
-        num_kv_heads = k.shape[1]
         _store_kv_kernel[(k.shape[0],)](
             k, v, k_cache, v_cache, out_cache_loc,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-            NUM_KV_HEADS=num_kv_heads, K_DIM=self.k_dim, V_DIM=self.v_dim, HAS_V=has_v,
-            BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_K=triton.next_power_of_2(self.k_dim),
+            # MLA: the cached value is part of the key row, stored with it
+            NUM_KV_HEADS=k.shape[1], K_DIM=self.k_dim, V_DIM=self.v_dim, HAS_V=not self.kv_pool.use_mla,
+            BLOCK_H=triton.next_power_of_2(k.shape[1]), BLOCK_K=triton.next_power_of_2(self.k_dim),
             BLOCK_V=triton.next_power_of_2(self.v_dim), launch_pdl=PDL,
         )
 
@@ -150,7 +154,7 @@ class TritonAttnBackend:
             num_warps=num_warps, num_stages=num_stages, launch_pdl=PDL,
         )
 
-    def _decode(self, q, k_cache, v_cache, out, batch: ForwardBatch, scale: float):
+    def _decode(self, q, k_cache, v_cache, out, batch: ForwardBatch, scale: float, v_proj=None):
         bs = q.shape[0]
         max_splits = self.split_cap(bs)
         dims = _head_dim_blocks(self.k_dim, self.v_dim)
@@ -169,10 +173,12 @@ class TritonAttnBackend:
         if one_split:
             return
         merge_block = triton.next_power_of_2(max_splits)  # the merge loads all splits as one block
-        _decode_merge_kernel[(bs, self.num_heads)](
+        proj_rows = 0 if v_proj is None else v_proj.shape[1]
+        _decode_merge_kernel[(bs, self.num_heads, max(1, triton.cdiv(proj_rows, PROJECTION_ROWS)))](
             self.partial_out, self.partial_lse, batch.seq_lens, self.num_kv_splits, out,
-            *self.partial_out.stride()[:3], *self.partial_lse.stride()[:2], out.stride(0), out.stride(1),
-            V_DIM=self.v_dim, BLOCK_DV=dims["BLOCK_DV"], MAX_SPLITS=merge_block,
+            out if v_proj is None else v_proj, *self.partial_out.stride()[:3], *self.partial_lse.stride()[:2],
+            out.stride(0), out.stride(1), *(v_proj.stride()[:2] if proj_rows else (0, 0)), proj_rows, V_DIM=self.v_dim,
+            BLOCK_DV=dims["BLOCK_DV"], MAX_SPLITS=merge_block, PROJECT=proj_rows > 0, BLOCK_P=PROJECTION_ROWS,
             # enough warps that the [MAX_SPLITS, BLOCK_DV] fp32 tile is at most 64 registers a thread
             num_warps=min(16, max(4, merge_block * dims["BLOCK_DV"] // (32 * 64))), launch_pdl=PDL,
         )
@@ -182,10 +188,8 @@ def _head_dim_blocks(k_dim: int, v_dim: int) -> dict:
     """Key width = a power-of-two main part (128 of 192, 512 of 576) + a rope rest, padded to 16+."""
     k_main = 1 << (k_dim.bit_length() - 1)
     k_rope = k_dim - k_main
-    return dict(
-        K_MAIN=k_main, K_ROPE=k_rope, BLOCK_DR=max(16, triton.next_power_of_2(k_rope)) if k_rope else 0,
-        V_DIM=v_dim, BLOCK_DV=triton.next_power_of_2(v_dim),
-    )
+    return dict(K_MAIN=k_main, K_ROPE=k_rope, BLOCK_DR=max(16, triton.next_power_of_2(k_rope)) if k_rope else 0,
+                V_DIM=v_dim, BLOCK_DV=triton.next_power_of_2(v_dim))
 
 
 def _extend_config(k_dim: int) -> tuple[int, int, int, int]:
@@ -219,8 +223,6 @@ def _decode_config(k_dim: int) -> tuple[int, int, int, int]:
 
 
 # ---- storing new K/V ----
-
-
 @triton.jit
 def _store_kv_kernel(
     k, v, k_cache, v_cache, out_cache_loc,
@@ -246,8 +248,6 @@ def _store_kv_kernel(
 
 
 # ---- shared pieces: loading queries, online softmax over a tile / over cached positions, splits ----
-
-
 @triton.jit
 def _load_queries(q_rows, row_mask, K_MAIN: tl.constexpr, K_ROPE: tl.constexpr, BLOCK_DR: tl.constexpr):
     """Queries at pointers q_rows [R] -> main part [R, K_MAIN] and rope part [R, BLOCK_DR]."""
@@ -318,8 +318,6 @@ def _split_range(seq_len, num_splits, split):
 
 
 # ---- extend ----
-
-
 @triton.jit
 def _extend_kernel(
     q, k_new, v_new, k_cache, v_cache, out,
@@ -376,8 +374,6 @@ def _extend_kernel(
 
 
 # ---- decode, stage 1: one program per (request, KV head, split) serves the KV head's query heads ----
-
-
 @triton.jit
 def _decode_split_kernel(
     q, k_cache, v_cache, partial_out, partial_lse, out,
@@ -421,25 +417,34 @@ def _decode_split_kernel(
             tl.store(partial_lse + b * stride_plb + heads * stride_plh + split, m + tl.log2(l), mask=real_head)
 
 
-# ---- decode, stage 2: one program per (request, query head) merges the splits ----
-
-
+# ---- decode, stage 2: one program per (request, query head) merges the splits (and projects them) ----
 @triton.jit
 def _decode_merge_kernel(
-    partial_out, partial_lse, seq_lens, num_kv_splits, out,
-    stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_ob, stride_oh,
-    V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    partial_out, partial_lse, seq_lens, num_kv_splits, out, v_proj,
+    stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_ob, stride_oh, stride_vph, stride_vpr,
+    proj_rows, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, MAX_SPLITS: tl.constexpr, PROJECT: tl.constexpr,
+    BLOCK_P: tl.constexpr,
 ):
+    """Grid (batch, heads, blocks of projection rows, or 1): merge the request's splits for one head,
+    and with PROJECT store its block of the projected row instead."""
     launch_dependents()
     b, h = tl.program_id(0), tl.program_id(1)
     splits = tl.arange(0, MAX_SPLITS)
     start, end = _split_range(tl.load(seq_lens + b), tl.load(num_kv_splits + b), splits)
     written = start < end  # only these splits' partial results exist
+    dv = tl.arange(0, BLOCK_DV)
+    rows = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    if PROJECT:  # this program's rows of the head's projection: a weight, so before the wait
+        proj = tl.load(v_proj + h * stride_vph + rows[:, None] * stride_vpr + dv[None, :],
+                       mask=(rows < proj_rows)[:, None] & (dv < V_DIM)[None, :], other=0.0)  # [BLOCK_P, BLOCK_DV]
     wait_for_inputs()
     lse = tl.load(partial_lse + b * stride_plb + h * stride_plh + splits, mask=written, other=float("-inf"))
     weight = tl.exp2(lse - tl.max(lse, 0))  # [MAX_SPLITS], 0 for unwritten splits
-    dv = tl.arange(0, BLOCK_DV)
     partial = tl.load(partial_out + b * stride_pob + h * stride_poh + splits[:, None] * stride_pos + dv[None, :],
                       mask=written[:, None] & (dv[None, :] < V_DIM), other=0.0)  # [MAX_SPLITS, BLOCK_DV]
-    merged = tl.sum(weight[:, None] * partial, 0) / tl.sum(weight, 0)
-    tl.store(out + b * stride_ob + h * stride_oh + dv, merged.to(out.dtype.element_ty), mask=dv < V_DIM)
+    merged = (tl.sum(weight[:, None] * partial, 0) / tl.sum(weight, 0)).to(out.dtype.element_ty)
+    if PROJECT:  # the merged row as the unfused path stores it, times each row, in float32
+        projected = tl.sum(proj.to(tl.float32) * merged.to(tl.float32)[None, :], 1)
+        tl.store(out + b * stride_ob + h * stride_oh + rows, projected.to(out.dtype.element_ty), mask=rows < proj_rows)
+    else:
+        tl.store(out + b * stride_ob + h * stride_oh + dv, merged, mask=dv < V_DIM)

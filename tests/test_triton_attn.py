@@ -74,9 +74,9 @@ class Scene:
     def scale(self) -> float:
         return self.shape.k_dim ** -0.5
 
-    def reference(self) -> torch.Tensor:
+    def reference(self, v_proj: torch.Tensor | None = None) -> torch.Tensor:
         ref = TorchAttnBackend(self.pool, self.req_to_token)
-        return ref.forward(self.q, self.k, self.v, LAYER, self.batch, self.scale)
+        return ref.forward(self.q, self.k, self.v, LAYER, self.batch, self.scale, v_proj)
 
     def triton_backend(self, max_batch_size: int | None = None) -> TritonAttnBackend:
         bs = self.batch.seq_lens.shape[0]
@@ -119,13 +119,13 @@ def build_scene(shape: Shape, dtype, device, prefix_lens: list[int], extend_lens
     return Scene(shape, pool, req_to_token, batch, rand(shape.num_heads, shape.k_dim), k, v)
 
 
-def run_triton(scene: Scene, backend: TritonAttnBackend) -> torch.Tensor:
+def run_triton(scene: Scene, backend: TritonAttnBackend, v_proj: torch.Tensor | None = None) -> torch.Tensor:
     backend.partial_out.fill_(float("nan"))
     backend.partial_lse.fill_(float("nan"))
     # (on CPU, switching deterministic mode on costs seconds of imports; fresh CPU pages are zeros)
     with nan_allocations() if scene.q.is_cuda else contextlib.nullcontext():
         backend.init_forward_metadata(scene.batch)
-        return backend.forward(scene.q, scene.k, scene.v, LAYER, scene.batch, scene.scale)
+        return backend.forward(scene.q, scene.k, scene.v, LAYER, scene.batch, scene.scale, v_proj)
 
 
 def assert_matches(out: torch.Tensor, ref: torch.Tensor, tol: float):
@@ -214,6 +214,29 @@ def test_decode_of_a_batch_that_fills_the_gpu(shape, dtype, cap):
     assert_matches(run_triton(scene, backend), scene.reference(), TOLERANCE[dtype])
 
 
+def check_value_projection(dtype, device, seq_lens: list[int], decode: bool, cap: int | None = None):
+    """MLA's W_UV, each head's [P, 512] matrix times its output: in the merge (small decode batches
+    that split) or after attention (the rest), against the torch backend's batched matmul. P = 24
+    rows: one whole block of the merge's rows and a part of one."""
+    shape = CPU_SHAPES[-1] if device == "cpu" else MLA
+    extend_lens = [1] * len(seq_lens) if decode else [min(n, 7) for n in seq_lens]
+    scene = build_scene(shape, dtype, device, [n - e for n, e in zip(seq_lens, extend_lens)], extend_lens, decode)
+    v_proj = torch.randn(shape.num_heads, 24 + 2, shape.v_dim, dtype=dtype, device=device)[:, 1:-1]  # strided rows
+    v_proj /= shape.v_dim**0.5
+    backend = scene.triton_backend(max_batch_size=16)
+    if cap is not None:  # as a batch that fills the GPU: no merge, so the matmul after it
+        backend.target_programs = cap * batch_bucket(len(seq_lens)) * shape.num_kv_heads
+    assert_matches(run_triton(scene, backend, v_proj), scene.reference(v_proj), TOLERANCE[dtype])
+
+
+@interpreted
+@pytest.mark.parametrize("decode, seq_lens, cap", [(True, [300, 1, 40], None), (True, [300, 40], 1),
+                                                   (True, [60] * 9, None), (False, [50, 7], None)],
+                         ids=["in the merge", "no merge", "a batch past the merge's", "extend"])
+def test_value_projection(decode, seq_lens, cap):
+    check_value_projection(torch.float32, "cpu", seq_lens, decode, cap)
+
+
 def test_num_kv_splits_grow_with_length_and_shrink_with_batch():
     shape = Shape(32, 8, 128, 128)
     seq_lens = [1, 128, 129, 1000, 5000]
@@ -259,6 +282,12 @@ def test_gpu_extend(shape):
 def test_gpu_decode(shape, batch_size):
     seq_lens = random_lens(random.Random(batch_size), batch_size, 1, 4096)
     check(shape, torch.bfloat16, "cuda", [n - 1 for n in seq_lens], [1] * batch_size, decode=True, max_batch_size=64)
+
+
+@gpu
+@pytest.mark.parametrize("batch_size", [1, 8, 13])
+def test_gpu_value_projection(batch_size):
+    check_value_projection(torch.bfloat16, "cuda", random_lens(random.Random(batch_size), batch_size, 1, 4096), True)
 
 
 @gpu
