@@ -64,10 +64,10 @@ MAX_KV_SPLITS = 64
 # One program of decode stage 1 serves all query heads of a KV head, padded to one 16-row tile.
 MAX_GROUP = 16
 LOG2E = 1.4426950408889634
-# A per-head value projection (MLA's W_UV) rides in the merge up to this batch bucket: a merge program
-# loads its PROJECTION_ROWS rows of the head's matrix before the wait, one launch for the merge and a
-# batched matmul that cannot start early. Larger batches run the matmul, whose matrix units pay there.
-PROJECT_IN_MERGE_MAX_BATCH, PROJECTION_ROWS = 8, 16
+# A per-head value projection (MLA's W_UV) rides in the merge at batch 1: a merge program loads its
+# PROJECTION_ROWS rows of the head's matrix before the wait, one launch for the merge and a batched
+# matmul that cannot start early. From 2 requests the matmul pays (an H200: BENCHMARKS.md).
+PROJECT_IN_MERGE_MAX_BATCH, PROJECTION_ROWS = 1, 16
 
 
 class TritonAttnBackend:

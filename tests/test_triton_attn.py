@@ -215,9 +215,9 @@ def test_decode_of_a_batch_that_fills_the_gpu(shape, dtype, cap):
 
 
 def check_value_projection(dtype, device, seq_lens: list[int], decode: bool, cap: int | None = None):
-    """MLA's W_UV, each head's [P, 512] matrix times its output: in the merge (small decode batches
-    that split) or after attention (the rest), against the torch backend's batched matmul. P = 24
-    rows: one whole block of the merge's rows and a part of one."""
+    """MLA's W_UV, each head's [P, 512] matrix times its output: in the merge (decode at batch 1,
+    split) or after attention (the rest), against the torch backend's batched matmul. P = 24 rows:
+    one whole block of the merge's rows and a part of one."""
     shape = CPU_SHAPES[-1] if device == "cpu" else MLA
     extend_lens = [1] * len(seq_lens) if decode else [min(n, 7) for n in seq_lens]
     scene = build_scene(shape, dtype, device, [n - e for n, e in zip(seq_lens, extend_lens)], extend_lens, decode)
@@ -230,8 +230,8 @@ def check_value_projection(dtype, device, seq_lens: list[int], decode: bool, cap
 
 
 @interpreted
-@pytest.mark.parametrize("decode, seq_lens, cap", [(True, [300, 1, 40], None), (True, [300, 40], 1),
-                                                   (True, [60] * 9, None), (False, [50, 7], None)],
+@pytest.mark.parametrize("decode, seq_lens, cap", [(True, [300], None), (True, [300], 1),
+                                                   (True, [60, 1, 40], None), (False, [50, 7], None)],
                          ids=["in the merge", "no merge", "a batch past the merge's", "extend"])
 def test_value_projection(decode, seq_lens, cap):
     check_value_projection(torch.float32, "cpu", seq_lens, decode, cap)
@@ -285,7 +285,7 @@ def test_gpu_decode(shape, batch_size):
 
 
 @gpu
-@pytest.mark.parametrize("batch_size", [1, 8, 13])
+@pytest.mark.parametrize("batch_size", [1, 2, 13])
 def test_gpu_value_projection(batch_size):
     check_value_projection(torch.bfloat16, "cuda", random_lens(random.Random(batch_size), batch_size, 1, 4096), True)
 
