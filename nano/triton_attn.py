@@ -113,10 +113,10 @@ class TritonAttnBackend:
         """q [T, H, k_dim], k [T, Hkv, k_dim], v [T, Hkv, v_dim] -> [T, H, v_dim]; with v_proj
         [H, P, v_dim], each head's output times its own matrix -> [T, H, P] (in the merge, or after)."""
         k_cache, v_cache = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
-        bs = q.shape[0]
-        in_merge = (v_proj is not None and batch.is_decode and self.split_cap(bs) > 1
-                    and batch_bucket(bs) <= PROJECT_IN_MERGE_MAX_BATCH)
-        out = q.new_empty(bs, self.num_heads, v_proj.shape[1] if in_merge else self.v_dim)
+        num_tokens = q.shape[0]  # in decode, the batch size
+        in_merge = (v_proj is not None and batch.is_decode and self.split_cap(num_tokens) > 1
+                    and batch_bucket(num_tokens) <= PROJECT_IN_MERGE_MAX_BATCH)
+        out = q.new_empty(num_tokens, self.num_heads, v_proj.shape[1] if in_merge else self.v_dim)
         for t in (q, k, v, k_cache, v_cache, out, *([v_proj] if in_merge else [])):
             assert t.stride(-1) == 1, "kernels assume the channel dimension is contiguous"
         self._store_kv(k, v, k_cache, v_cache, batch.out_cache_loc)
