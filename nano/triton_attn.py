@@ -68,6 +68,10 @@ LOG2E = 1.4426950408889634
 # PROJECTION_ROWS rows of the head's matrix before the wait, one launch for the merge and a batched
 # matmul that cannot start early. From 2 requests the matmul pays (an H200: BENCHMARKS.md).
 PROJECT_IN_MERGE_MAX_BATCH, PROJECTION_ROWS = 1, 16
+# A batch that fills the GPU unsplit runs its requests of up to SHORT_CONTEXT tokens in a launch of
+# SHORT_TILE (tokens, warps, stages): many such programs share a multiprocessor, where the 128-token
+# tile's 192 KB of stages hold one. On an H200 that is faster on 136 tokens, slower on 544 (BENCHMARKS.md).
+SHORT_CONTEXT, SHORT_TILE = 256, (16, 2, 3)
 
 
 class TritonAttnBackend:
@@ -98,9 +102,8 @@ class TritonAttnBackend:
             return
         # Within the cap, a request gets one split per min_split_tokens tokens: short requests are
         # not chopped into slivers.
-        bs = batch.seq_lens.shape[0]
         wanted = torch.div(batch.seq_lens + (self.min_split_tokens - 1), self.min_split_tokens, rounding_mode="floor")
-        torch.clamp(wanted, 1, self.split_cap(bs), out=self.num_kv_splits[:bs])
+        torch.clamp(wanted, 1, self.split_cap(len(wanted)), out=self.num_kv_splits[:len(wanted)])
 
     def split_cap(self, bs: int) -> int:
         """The most splits a request of a batch of bs gets: splits are worth it while the batch alone
@@ -127,12 +130,10 @@ class TritonAttnBackend:
         return out if v_proj is None or in_merge else project_values(out, v_proj)
 
     def _store_kv(self, k, v, k_cache, v_cache, out_cache_loc):
-        """Write the new tokens' K (and V) into their pool slots. One launch: torch's indexed copy
-        takes four (index casts and copies for K and V)."""
+        """The new tokens' K (and V) into their pool slots, in one launch (torch's indexed copies: four)."""
         _store_kv_kernel[(k.shape[0],)](
             k, v, k_cache, v_cache, out_cache_loc,
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            *k.stride()[:2], *v.stride()[:2], *k_cache.stride()[:2], *v_cache.stride()[:2],
             # MLA: the cached value is part of the key row, stored with it
             NUM_KV_HEADS=k.shape[1], K_DIM=self.k_dim, V_DIM=self.v_dim, HAS_V=not self.kv_pool.use_mla,
             BLOCK_H=triton.next_power_of_2(k.shape[1]), BLOCK_K=triton.next_power_of_2(self.k_dim),
@@ -141,35 +142,33 @@ class TritonAttnBackend:
 
     def _extend(self, q, k, v, k_cache, v_cache, out, batch: ForwardBatch, scale: float):
         block_m, block_n, num_warps, num_stages = _extend_config(self.k_dim)
-        grid = (batch.seq_lens.shape[0], self.num_heads, triton.cdiv(self.max_extend_len, block_m))
-        _extend_kernel[grid](
+        _extend_kernel[(batch.seq_lens.shape[0], self.num_heads, triton.cdiv(self.max_extend_len, block_m))](
             q, k, v, k_cache, v_cache, out,
             self.req_to_token, batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, batch.extend_start_loc,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-            out.stride(0), out.stride(1), self.req_to_token.stride(0),
-            scale * LOG2E,
+            *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *k_cache.stride()[:2], *v_cache.stride()[:2],
+            *out.stride()[:2], self.req_to_token.stride(0), scale * LOG2E,
             GROUP=self.group, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision(q.dtype),
             **_head_dim_blocks(self.k_dim, self.v_dim),
             num_warps=num_warps, num_stages=num_stages, launch_pdl=PDL,
         )
 
     def _decode(self, q, k_cache, v_cache, out, batch: ForwardBatch, scale: float, v_proj=None):
-        bs = q.shape[0]
-        max_splits = self.split_cap(bs)
+        bs, max_splits = q.shape[0], self.split_cap(q.shape[0])
         dims = _head_dim_blocks(self.k_dim, self.v_dim)
-        block_n, num_warps, num_stages, _ = _decode_config(self.k_dim)
         one_split = max_splits == 1
-        _decode_split_kernel[(bs, self.num_kv_heads, max_splits)](
-            q, k_cache, v_cache, self.partial_out, self.partial_lse, out,
-            self.req_to_token, batch.req_pool_indices, batch.seq_lens, self.num_kv_splits,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-            *self.partial_out.stride()[:3], *self.partial_lse.stride()[:2], out.stride(0), out.stride(1),
-            self.req_to_token.stride(0), scale * LOG2E,
-            GROUP=self.group, BLOCK_H=max(16, triton.next_power_of_2(self.group)), BLOCK_N=block_n,
-            DOT_PRECISION=dot_precision(q.dtype), ONE_SPLIT=one_split, **dims,
-            num_warps=num_warps, num_stages=num_stages, launch_pdl=PDL,
-        )
+        short_apart = one_split and self.k_dim <= 128  # short requests in a launch of their own
+        launches = [(_decode_config(self.k_dim)[:3], SHORT_CONTEXT if short_apart else 0, 2**31 - 1),
+                    *([(SHORT_TILE, 0, SHORT_CONTEXT)] if short_apart else [])]
+        for (block_n, num_warps, num_stages), longer_than, up_to in launches:  # serving lengths (longer_than, up_to]
+            _decode_split_kernel[(bs, self.num_kv_heads, max_splits)](
+                q, k_cache, v_cache, self.partial_out, self.partial_lse, out,
+                self.req_to_token, batch.req_pool_indices, batch.seq_lens, self.num_kv_splits, longer_than, up_to,
+                *q.stride()[:2], *k_cache.stride()[:2], *v_cache.stride()[:2], *self.partial_out.stride()[:3],
+                *self.partial_lse.stride()[:2], *out.stride()[:2], self.req_to_token.stride(0), scale * LOG2E,
+                GROUP=self.group, BLOCK_H=max(16, triton.next_power_of_2(self.group)), BLOCK_N=block_n,
+                DOT_PRECISION=dot_precision(q.dtype), ONE_SPLIT=one_split, **dims,
+                num_warps=num_warps, num_stages=num_stages, launch_pdl=PDL,
+            )
         if one_split:
             return
         merge_block = triton.next_power_of_2(max_splits)  # the merge loads all splits as one block
@@ -377,7 +376,7 @@ def _extend_kernel(
 @triton.jit
 def _decode_split_kernel(
     q, k_cache, v_cache, partial_out, partial_lse, out,
-    req_to_token, req_pool_indices, seq_lens, num_kv_splits,
+    req_to_token, req_pool_indices, seq_lens, num_kv_splits, longer_than, up_to,
     stride_qb, stride_qh, stride_kcs, stride_kch, stride_vcs, stride_vch,
     stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_ob, stride_oh, stride_req,
     scale_log2,
@@ -391,7 +390,8 @@ def _decode_split_kernel(
     start, end = _split_range(seq_len, tl.load(num_kv_splits + b), split)
     token_slots = req_to_token + tl.load(req_pool_indices + b).to(tl.int64) * stride_req
     wait_for_inputs()
-    if start < end:  # splits past this request's count are empty: they write nothing
+    # splits past this request's count are empty, and so is a request another launch serves
+    if (start < end) & (seq_len > longer_than) & (seq_len <= up_to):
         h_idx = tl.arange(0, BLOCK_H)
         heads = kv_head * GROUP + h_idx  # [BLOCK_H]; rows past GROUP only pad the dot
         real_head = h_idx < GROUP

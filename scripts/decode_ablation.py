@@ -80,6 +80,7 @@ def apply(variant: str):
     if name == "gqa-tile":
         tile, config = tuple(int(v) for v in value.split(".")), triton_attn._decode_config
         triton_attn._decode_config = lambda k_dim: (*tile, 8) if k_dim <= 128 else config(k_dim)
+        triton_attn.SHORT_TILE = tile  # for every request
     if name not in ("none", "no-merge", "no-store", "no-attention", "no-latent-norm", "no-router", "cublaslt-96",
                     "gqa-tile"):
         sys.exit(f"unknown variant {variant!r}")

@@ -105,6 +105,8 @@ BUGS = [
         "tl.store(out_ptrs, (acc / l[:, None]).to(out.dtype.element_ty), mask=out_mask)",
         "tl.store(out_ptrs, acc.to(out.dtype.element_ty), mask=out_mask)",
         ["tests/test_triton_attn.py::test_decode_of_a_batch_that_fills_the_gpu", "tests/test_triton_attn.py::test_gpu_decode"]),
+    Bug("triton decode: a request of exactly SHORT_CONTEXT tokens is served by neither launch", "nano/triton_attn.py",
+        "(seq_len <= up_to)", "(seq_len < up_to)", ["tests/test_triton_attn.py::test_decode_of_a_batch_that_fills_the_gpu"]),
     Bug("triton decode: the merge projects every head's output with head 0's matrix (MLA's W_UV at batch 1)",
         "nano/triton_attn.py", "proj = tl.load(v_proj + h * stride_vph", "proj = tl.load(v_proj + 0 * stride_vph",
         ["tests/test_triton_attn.py::test_value_projection", "tests/test_triton_attn.py::test_gpu_value_projection"]),

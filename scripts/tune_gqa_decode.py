@@ -2,10 +2,11 @@
 128) stream fastest, from batch 1 to 160, at short and long contexts?
 
 The GQA decode kernel (triton_attn.py) runs one tile (`_decode_config`: tokens per tile, warps,
-pipeline stages) at every batch size; a split is at least `min_split_tokens` long (0 below: one
-tile). This times each tile on scripts/bench_attention.py's harness and prints each case's four
+pipeline stages) at every batch size, but for the short requests of a batch that fills the GPU
+unsplit (`SHORT_TILE`); a split is at least `min_split_tokens` long (0 below: one tile). This times
+each tile on every request on scripts/bench_attention.py's harness and prints each case's four
 fastest. Short tiles win at large batches of short requests and lose at long contexts
-(BENCHMARKS.md: why the kernel keeps one tile). Run on a GPU: `python scripts/tune_gqa_decode.py`.
+(BENCHMARKS.md). Run on a GPU: `python scripts/tune_gqa_decode.py`.
 """
 
 import itertools
@@ -19,21 +20,23 @@ from scripts.bench_attention import LLAMA_3_8B, bench_case, kv_bytes_per_layer  
 import nano.triton_attn as triton_attn  # noqa: E402
 from nano.bench_latency import measure_copy_bandwidth  # noqa: E402
 
-TILES = [(32, 4, 2), (32, 2, 2), (32, 4, 3), (32, 2, 3), (16, 4, 2), (16, 2, 3), (128, 4, 3)]  # BLOCK_N, warps, stages
+TILES = [(128, 4, 3), (64, 4, 3), (64, 4, 2), (64, 8, 3), (32, 4, 3), (32, 2, 3), (16, 2, 3), (16, 4, 3)]  # BLOCK_N, warps, stages
 # (batch, context, the split floors tried: 0 is one tile)
-CASES = [(160, 136, [0]), (128, 136, [0]), (64, 136, [0]), (8, 136, [0, 128]), (1, 136, [0, 128]),
-         (1, 4096, [0, 128]), (8, 4096, [0, 128])]
+CASES = [(160, 136, [128]), (160, 272, [128]), (160, 544, [128]), (160, 1088, [128]), (128, 136, [128]),
+         (128, 544, [128]), (96, 136, [128]), (96, 544, [128]), (64, 136, [128]), (64, 544, [128]),
+         (8, 136, [0, 128]), (1, 136, [0, 128]), (1, 4096, [0, 128]), (8, 4096, [0, 128])]
 
 
 def main():
     copy_gbps = measure_copy_bandwidth("cuda") / 1e9
     print(f"GQA decode, bf16, {torch.cuda.get_device_name()}, copy {copy_gbps:.0f} GB/s\n")
-    original = triton_attn._decode_config
+    original, original_short = triton_attn._decode_config, triton_attn.SHORT_TILE
     for batch_size, context, floors in CASES:
         nbytes = kv_bytes_per_layer(LLAMA_3_8B, batch_size, context, False)
         results = []
         for tile, floor in itertools.product(TILES, floors):
             triton_attn._decode_config = lambda k_dim, tile=tile: (*tile, 8) if k_dim <= 128 else original(k_dim)
+            triton_attn.SHORT_TILE = tile  # the short requests' launch runs it too
 
             def configure(backend, floor=floor, tile=tile):
                 backend.min_split_tokens = floor or tile[0]
@@ -45,7 +48,7 @@ def main():
             torch.cuda.empty_cache()
         best = ", ".join(f"{us:.1f} us {tile} min {floor} ({splits} splits)" for us, tile, floor, splits in sorted(results)[:4])
         print(f"FASTEST at batch {batch_size}, context {context}: {best}", flush=True)
-    triton_attn._decode_config = original
+    triton_attn._decode_config, triton_attn.SHORT_TILE = original, original_short
 
 
 if __name__ == "__main__":
