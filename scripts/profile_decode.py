@@ -20,8 +20,10 @@ def main():
     engine = Engine(SHIPPED_CONFIGS / shape, EngineConfig(device="cuda", dtype=torch.bfloat16, attention_backend="triton",
                     load_format="dummy", max_total_tokens=bs * 200 + 1, max_running_requests=max(bs, 8), cuda_graph=True,
                     cuda_graph_max_bs=max(bs, 8), tp_size=tp, log=False))
-    for _ in range(bs):
-        engine.add_request(list(range(10, 138)), SamplingParams(max_new_tokens=40, ignore_eos=True))
+    g = torch.Generator().manual_seed(0)
+    for _ in range(bs):  # distinct prompts, as bench_latency's: one shared prompt would be one cached prefix
+        prompt = torch.randint(10, engine.cfg.vocab_size, (128,), generator=g).tolist()  # whose KV sits in L2
+        engine.add_request(prompt, SamplingParams(max_new_tokens=40, ignore_eos=True))
     engine.step()  # prefill
     for _ in range(5):
         engine.step()
