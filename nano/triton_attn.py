@@ -28,12 +28,13 @@ kinds of pass need two kinds of kernel:
   rows since tensor cores need it.
 
 Decode also runs inside a CUDA graph (cuda_graph_runner.py), which replays a fixed sequence of
-kernel launches with fixed arguments. So the decode path never asks the host about tensor
-values: the grid is (batch, KV heads, the batch size's split cap), programs whose split is
-empty exit at once, the split counts are computed on the device from `seq_lens`, and the buffers
-for partial results are allocated once at the largest batch size and sliced. The cap matters:
-a grid of 64 splits for each of 160 requests launches 80,000 programs, nearly all empty, and
-scheduling them cost more than the attention itself.
+kernel launches with fixed arguments. So the decode path never asks the host about tensor values:
+the grid is (batch, KV heads, the batch size's split cap), programs whose split is empty exit at
+once, the split counts are computed on the device from `seq_lens`, and the buffers for partial
+results are allocated once at the largest batch size and sliced. The cap matters: a grid of 64
+splits for each of 160 requests launches 80,000 programs, nearly all empty, and scheduling them
+cost more than the attention itself. Nor can the tile follow the lengths: a batch that fills the
+GPU launches stage 1 twice, and a request's length picks the launch that serves it.
 
 Before either, one small kernel copies the new tokens' K/V into their pool slots (`out_cache_loc`).
 
@@ -68,9 +69,8 @@ LOG2E = 1.4426950408889634
 # PROJECTION_ROWS rows of the head's matrix before the wait, one launch for the merge and a batched
 # matmul that cannot start early. From 2 requests the matmul pays (an H200: BENCHMARKS.md).
 PROJECT_IN_MERGE_MAX_BATCH, PROJECTION_ROWS = 1, 16
-# A batch that fills the GPU unsplit runs its requests of up to SHORT_CONTEXT tokens in a launch of
-# SHORT_TILE (tokens, warps, stages): many such programs share a multiprocessor, where the 128-token
-# tile's 192 KB of stages hold one. On an H200 that is faster on 136 tokens, slower on 544 (BENCHMARKS.md).
+# In a batch that fills the GPU, requests of up to SHORT_CONTEXT tokens get SHORT_TILE (tokens, warps, stages):
+# many such programs share a multiprocessor, which one 128-token tile's 192 KB of stages fills (BENCHMARKS.md).
 SHORT_CONTEXT, SHORT_TILE = 256, (16, 2, 3)
 
 
