@@ -206,8 +206,8 @@ def test_decode_with_most_splits():
                          ids=str)
 def test_decode_of_a_batch_that_fills_the_gpu(shape, dtype, cap):
     # A split cap of 1 or 2, as a large batch has (forced here by lowering the programs wanted):
-    # with 1 each program writes the output itself, without the merge, and requests of up to
-    # SHORT_CONTEXT (256) tokens run in a launch of their own. The partial buffers hold NaN.
+    # with 1 each program writes the output itself, without the merge, and (128-wide heads) requests
+    # of up to SHORT_CONTEXT (256) tokens run in a launch of their own. The partial buffers hold NaN.
     scene = build_scene(shape, dtype, "cpu", [599, 0, 255, 256], [1] * 4, decode=True)
     backend = scene.triton_backend()
     backend.target_programs = cap * batch_bucket(4) * shape.num_kv_heads
