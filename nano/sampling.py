@@ -66,13 +66,13 @@ class Logprobs:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
-    """logits [B, vocab] float32 -> next tokens [B] (int64, on the logits' device)."""
+    """logits [B, vocab] -> next tokens [B] (int64, on the logits' device); probabilities in float32."""
     greedy = logits.argmax(dim=-1)
     if all(p.greedy for p in params):
         return greedy
     device = logits.device
     temperature = to_device([1.0 if p.greedy else p.temperature for p in params], torch.float32, device)
-    probs = torch.softmax(logits / temperature[:, None], dim=-1)
+    probs = torch.softmax(logits.float() / temperature[:, None], dim=-1)
     probs = _top_k_top_p(probs, params)
     race = torch.empty_like(probs)
     for row, gen in enumerate(generators):

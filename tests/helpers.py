@@ -102,12 +102,13 @@ def save_tiny_deepseek(path, variant: str, config_form: str = "v5", seed: int = 
 # ---- comparing with the reference ----
 
 def record_logits(monkeypatch):
-    """Wrap the engine's sampler to keep each step's logits."""
+    """Wrap the engine's sampler to keep each step's logits, in float32 (the model returns its own
+    dtype's), so that comparisons of bfloat16 runs do their arithmetic in float32."""
     steps = []
     real_sample = engine_module.sample
 
     def recording_sample(logits, params, generators):
-        steps.append(logits.clone())
+        steps.append(logits.float().clone())
         return real_sample(logits, params, generators)
 
     monkeypatch.setattr(engine_module, "sample", recording_sample)
