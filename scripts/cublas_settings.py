@@ -12,9 +12,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from matmul_probe import time_per_call  # noqa: E402
-
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+from matmul_probe import LLAMA_SHAPES, cold_weights, time_per_call  # noqa: E402
 
 if __name__ == "__main__":
     if os.environ.get("NO_BF16_RED"):
@@ -23,9 +21,8 @@ if __name__ == "__main__":
         torch.backends.cuda.preferred_blas_library("cublaslt")
     tag = sys.argv[1] if len(sys.argv) > 1 else "default"
     torch.manual_seed(0)
-    for name, (n, k) in SHAPES.items():
-        copies = max(2, -(-400_000_000 // (n * k * 2)))
-        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 50 for _ in range(copies)]
+    for name, (n, k) in LLAMA_SHAPES.items():
+        weights = cold_weights(n, k)
         line = f"{tag:10s} {name:8s}"
         for m in (8, 32, 64, 96, 128, 160):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

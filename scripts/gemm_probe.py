@@ -13,9 +13,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(__file__))
-from matmul_probe import report, time_per_call  # noqa: E402
-
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+from matmul_probe import LLAMA_SHAPES, cold_weights, report, time_per_call  # noqa: E402
 # weight rows, batch rows, K step, splits of K, warps, stages: the most stages that fit in shared memory
 TILINGS = [(bw, bx, bk, splits, 4 if bw * bx <= 128 * 64 else 8, 4 if (bw + bx) * bk * 2 * 4 <= 200_000 else 3)
            for bw, bx, bk, splits in itertools.product([64, 128], [64, 128, 256], [64, 128], [1, 2, 4])]
@@ -65,10 +63,10 @@ def main():
     row_counts = [int(a) for a in sys.argv[1:]] or [128, 160]
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    for name, (n, k) in SHAPES.items():
+    for name, (n, k) in LLAMA_SHAPES.items():
         nbytes = n * k * 2
-        copies = max(2, -(-400_000_000 // nbytes))
-        weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) / 50 for _ in range(copies)]
+        weights = cold_weights(n, k, device)
+        copies = len(weights)
         for m in row_counts:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             outs = [torch.empty(m, n, device=device, dtype=torch.bfloat16) for _ in weights]

@@ -12,7 +12,7 @@ import torch
 import torch._inductor.config as inductor_config
 
 sys.path.insert(0, os.path.dirname(__file__))
-from matmul_probe import time_per_call  # noqa: E402
+from matmul_probe import LLAMA_SHAPES, cold_weights, time_per_call  # noqa: E402
 
 inductor_config.max_autotune_gemm_backends = "ATEN,TRITON"
 if hasattr(inductor_config.triton, "enable_persistent_tma_matmul"):
@@ -21,9 +21,9 @@ if hasattr(inductor_config.triton, "enable_persistent_tma_matmul"):
 if __name__ == "__main__":
     torch.manual_seed(0)
     rows = 160
-    for name, (n, k) in {"o": (4096, 4096), "qkv": (6144, 4096)}.items():
-        copies = max(2, -(-400_000_000 // (n * k * 2)))
-        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 50 for _ in range(copies)]
+    for name in ("o", "qkv"):
+        n, k = LLAMA_SHAPES[name]
+        weights = cold_weights(n, k)
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         outs = [torch.empty(rows, n, device="cuda", dtype=torch.bfloat16) for _ in weights]
         compiled = torch.compile(lambda x, w: torch.mm(x, w.t()), mode="max-autotune-no-cudagraphs", dynamic=False)

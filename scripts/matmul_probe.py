@@ -47,6 +47,15 @@ def torch_matmul(x, w, out):
     torch.mm(x, w.t(), out=out)
 
 
+LLAMA_SHAPES = {name.removeprefix("llama "): shape for name, shape in SHAPES.items() if name.startswith("llama")}
+
+
+def cold_weights(n: int, k: int, device="cuda") -> list[torch.Tensor]:
+    """Copies of a random [n, k] bf16 weight, enough (400 MB, at least 2) that a graph running a
+    matmul over each in turn finds none still in the L2 cache."""
+    return [torch.randn(n, k, device=device, dtype=torch.bfloat16) / 50 for _ in range(max(2, -(-400_000_000 // (n * k * 2))))]
+
+
 def time_per_call(run, weights, x, outs, replays=20) -> float:
     """Microseconds a call, replaying one CUDA graph that runs `run` once over each weight copy."""
     side = torch.cuda.Stream()
@@ -73,7 +82,7 @@ def main():
     torch.manual_seed(0)
     for name, (n, k) in SHAPES.items():
         nbytes = n * k * 2
-        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 50 for _ in range(max(2, -(-400_000_000 // nbytes)))]
+        weights = cold_weights(n, k)
         for m in row_counts:
             if name.startswith("ds") and m > 8:
                 continue

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, "scripts")
-from matmul_probe import report, time_per_call, torch_matmul
+from matmul_probe import cold_weights, report, time_per_call, torch_matmul
 
 SHAPES = {"llama qkv": (6144, 4096), "llama o": (4096, 4096), "llama gate_up": (28672, 4096),
           "llama down": (4096, 14336), "llama lm_head": (128256, 4096), "ds fused_a": (3648, 2048),
@@ -43,7 +43,7 @@ def main():
     torch.manual_seed(0)
     for name, (n, k) in SHAPES.items():
         nbytes = n * k * 2
-        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 50 for _ in range(max(2, -(-400_000_000 // nbytes)))]
+        weights = cold_weights(n, k)
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         outs = [torch.empty(1, n, device="cuda", dtype=torch.bfloat16) for _ in weights]
         results = []
