@@ -9,8 +9,10 @@ patched out or changed. Removals make the tokens wrong on purpose: only the timi
 Variants: none (as is); no-merge (decode attention's merge kernel); no-store (the KV store);
 no-attention (store, split and merge); no-latent-norm (MLA's norm of the 512-wide latent, the
 third program of rope's launch); no-router (DeepSeek's router, replaced by fixed expert ids);
-cublaslt-96 (linear layers of 2-96 rows through cuBLASLt instead of cuBLAS); gqa-tile=BLOCK_N.WARPS.STAGES (decode attention's tile
-for 128-wide heads, every batch size). Run on a GPU (BENCHMARKS.md, fifth round).
+cublaslt-96 (linear layers of 2-96 rows through cuBLASLt instead of cuBLAS);
+cublaslt=OUTxIN@ROWS+... (the weights of those shapes at those row counts through cuBLASLt, e.g.
+cublaslt=4096x4096@160); gqa-tile=BLOCK_N.WARPS.STAGES (decode attention's tile for 128-wide
+heads, every batch size). Run on a GPU (BENCHMARKS.md, fifth and tenth rounds).
 """
 
 import importlib
@@ -32,9 +34,10 @@ class _Skipped:
         return lambda *args, **kwargs: None
 
 
-def _cublaslt_up_to(max_rows: int):
+def _cublaslt_where(chosen):
+    """Linears for which chosen(rows, weight shape) is true run in cuBLASLt, the others in cuBLAS."""
     def linear(x, weight, bias=None):
-        library = "cublaslt" if x.numel() // x.shape[-1] <= max_rows else "cublas"
+        library = "cublaslt" if chosen(x.numel() // x.shape[-1], tuple(weight.shape)) else "cublas"
         previous = torch.backends.cuda.preferred_blas_library()
         torch.backends.cuda.preferred_blas_library(library)
         try:
@@ -76,13 +79,17 @@ def apply(variant: str):
     if name == "no-router":
         _fixed_router()
     if name == "cublaslt-96":
-        _cublaslt_up_to(96)
+        _cublaslt_where(lambda rows, shape: rows <= 96)
+    if name == "cublaslt":  # cublaslt=OUTxIN@ROWS+...: those weights at those row counts
+        pairs = {(int(rows), *(int(n) for n in shape.split("x"))) for shape, rows in
+                 (pair.split("@") for pair in value.split("+"))}
+        _cublaslt_where(lambda rows, shape: (rows, *shape) in pairs)
     if name == "gqa-tile":
         tile, config = tuple(int(v) for v in value.split(".")), triton_attn._decode_config
         triton_attn._decode_config = lambda k_dim: (*tile, 8) if k_dim <= 128 else config(k_dim)
         triton_attn.SHORT_TILE = tile  # for every request
     if name not in ("none", "no-merge", "no-store", "no-attention", "no-latent-norm", "no-router", "cublaslt-96",
-                    "gqa-tile"):
+                    "cublaslt", "gqa-tile"):
         sys.exit(f"unknown variant {variant!r}")
 
 
