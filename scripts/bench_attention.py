@@ -48,20 +48,24 @@ def kv_bytes_per_layer(raw: dict, batch_size: int, context: int, use_mla: bool) 
     return batch_size * context * kv_bytes_per_token(cfg, torch.bfloat16, use_mla)
 
 
-def bench_case(raw: dict, use_mla: bool, batch_size: int, context: int, configure=None) -> tuple[float, int]:
-    """-> (microseconds per layer, number of KV splits the backend chose). configure(backend), when
-    given, may change the backend before it runs (scripts/tune_mla_decode.py)."""
-    layer_bytes = kv_bytes_per_layer(raw, batch_size, context, use_mla)
+def bench_case(raw: dict, use_mla: bool, batch_size: int, context: int | list[int], configure=None) -> tuple[float, int]:
+    """-> (microseconds per layer, number of KV splits the backend chose for the first request).
+    context: every request's length, or a list of each one's. configure(backend), when given, may
+    change the backend before it runs (scripts/tune_mla_decode.py)."""
+    contexts = context if isinstance(context, list) else [context] * batch_size
+    layer_bytes = kv_bytes_per_layer(raw, 1, sum(contexts), use_mla)
     num_layers = max(1, min(MAX_LAYERS, triton.cdiv(MIN_BYTES_PER_STEP, layer_bytes)))
     cfg = parse_config(dict(raw, num_hidden_layers=num_layers))
-    num_tokens = batch_size * context
-    pool = KVPool(cfg, num_tokens + 1, torch.bfloat16, "cuda", use_mla)
+    pool = KVPool(cfg, sum(contexts) + 1, torch.bfloat16, "cuda", use_mla)
     for buf in pool.k_buffers + ([] if use_mla else pool.v_buffers):
         buf.normal_()
     # Request b's tokens in random slots (slot 0 stays reserved); its new token goes in its last slot.
-    req_to_token = (torch.randperm(num_tokens, device="cuda") + 1).to(torch.int32).view(batch_size, context)
-    batch = ForwardBatch.decode([0] * batch_size, [context] * batch_size, list(range(batch_size)),
-                                req_to_token[:, -1].contiguous(), "cuda")
+    slots = (torch.randperm(sum(contexts), device="cuda") + 1).to(torch.int32).split(contexts)
+    req_to_token = torch.zeros(batch_size, max(contexts), dtype=torch.int32, device="cuda")
+    for row, row_slots in enumerate(slots):
+        req_to_token[row, : len(row_slots)] = row_slots
+    batch = ForwardBatch.decode([0] * batch_size, contexts, list(range(batch_size)),
+                                torch.stack([s[-1] for s in slots]), "cuda")
     backend = TritonAttnBackend(pool, req_to_token, batch_size, cfg.num_heads)
     if configure is not None:
         configure(backend)
