@@ -14,6 +14,7 @@ replays, so the numbers are DRAM numbers, and launch gaps inside the graph count
 real step. Every token sits in a random pool slot. Run on a GPU: `python scripts/bench_attention.py`.
 """
 
+import contextlib
 import sys
 
 import torch
@@ -24,6 +25,7 @@ from nano.bench_latency import measure_copy_bandwidth  # noqa: E402
 from nano.config import parse_config  # noqa: E402
 from nano.forward_batch import ForwardBatch  # noqa: E402
 from nano.kv_cache import KVPool, kv_bytes_per_token  # noqa: E402
+import nano.triton_attn as triton_attn  # noqa: E402
 from nano.triton_attn import TritonAttnBackend  # noqa: E402
 
 BATCH_SIZES = (1, 32, 128)
@@ -46,6 +48,21 @@ def kv_bytes_per_layer(raw: dict, batch_size: int, context: int, use_mla: bool) 
     """Bytes of K/V one layer's decode attention must read. MLA's value lies inside its key row."""
     cfg = parse_config(dict(raw, num_hidden_layers=1))
     return batch_size * context * kv_bytes_per_token(cfg, torch.bfloat16, use_mla)
+
+
+@contextlib.contextmanager
+def decode_tiles(long_tile=None, short_context=None, short_tile=None):
+    """Run 128-wide decode heads with these settings of triton_attn, then put them back (None: as
+    shipped): the long requests' tile (`_decode_config`'s BLOCK_N, warps, stages), where the short
+    requests' launch ends (`SHORT_CONTEXT`), and its tile (`SHORT_TILE`)."""
+    shipped = triton_attn._decode_config, triton_attn.SHORT_CONTEXT, triton_attn.SHORT_TILE
+    if long_tile is not None:
+        triton_attn._decode_config = lambda k_dim: (*long_tile, 8) if k_dim <= 128 else shipped[0](k_dim)
+    triton_attn.SHORT_CONTEXT, triton_attn.SHORT_TILE = short_context or shipped[1], short_tile or shipped[2]
+    try:
+        yield
+    finally:
+        triton_attn._decode_config, triton_attn.SHORT_CONTEXT, triton_attn.SHORT_TILE = shipped
 
 
 def bench_case(raw: dict, use_mla: bool, batch_size: int, context: int | list[int], configure=None) -> tuple[float, int]:

@@ -11,9 +11,7 @@ import sys
 import torch
 
 sys.path.insert(0, ".")
-from scripts.bench_attention import LLAMA_3_8B, bench_case, kv_bytes_per_layer  # noqa: E402
-
-import nano.triton_attn as triton_attn  # noqa: E402
+from scripts.bench_attention import LLAMA_3_8B, bench_case, decode_tiles, kv_bytes_per_layer  # noqa: E402
 
 TILES = [(16, 2, 3), (16, 2, 2), (16, 1, 2), (16, 1, 3), (32, 2, 2), (16, 4, 2), (32, 4, 2)]  # tokens, warps, stages
 TILE_CASES = [(160, 136, 0), (152, 136, 0), (144, 136, 0), (136, 136, 0), (128, 136, 0), (96, 136, 0), (160, 250, 0),
@@ -29,19 +27,16 @@ def one_split(backend):
 
 
 def run(cases, tiles_for):
-    original = triton_attn._decode_config
     for batch_size, context, force_one in cases:
         nbytes = kv_bytes_per_layer(LLAMA_3_8B, batch_size, context, False)
         results = []
         for short_tile, long_tile in tiles_for(batch_size, force_one):
-            triton_attn.SHORT_TILE = short_tile
-            triton_attn._decode_config = lambda k_dim, t=long_tile: (*t, 8) if k_dim <= 128 else original(k_dim)
-            us, splits = bench_case(LLAMA_3_8B, False, batch_size, context, one_split if force_one else None)
+            with decode_tiles(long_tile, short_tile=short_tile):
+                us, splits = bench_case(LLAMA_3_8B, False, batch_size, context, one_split if force_one else None)
             results.append(f"{short_tile}/{long_tile}: {us:.1f}")
             torch.cuda.empty_cache()
         print(f"{batch_size}x{context}{' cap1' if force_one else ''} splits {splits} ({nbytes / 1e6:.0f} MB, "
               f"{nbytes / 4.1e6:.1f} us at 4.1 TB/s): " + "; ".join(results), flush=True)
-    triton_attn._decode_config = original
 
 
 if __name__ == "__main__":

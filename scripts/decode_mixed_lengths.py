@@ -13,9 +13,8 @@ import sys
 import torch
 
 sys.path.insert(0, ".")
-from scripts.bench_attention import LLAMA_3_8B, bench_case, kv_bytes_per_layer  # noqa: E402
+from scripts.bench_attention import LLAMA_3_8B, bench_case, decode_tiles, kv_bytes_per_layer  # noqa: E402
 
-import nano.triton_attn as triton_attn  # noqa: E402
 from nano.bench_latency import measure_copy_bandwidth  # noqa: E402
 
 # (batch, shortest, longest): the start of bench_throughput's decode, its middle (requests whose
@@ -31,17 +30,13 @@ VARIANTS = [(None, None, None), ((128, 8, 3), None, None), ((128, 4, 2), None, N
 def main():
     copy_gbps = measure_copy_bandwidth("cuda") / 1e9
     print(f"GQA decode, mixed lengths, bf16, {torch.cuda.get_device_name()}, copy {copy_gbps:.0f} GB/s")
-    shipped = triton_attn._decode_config, triton_attn.SHORT_CONTEXT, triton_attn.SHORT_TILE
     for batch_size, low, high in CASES:
         rng = random.Random(0)
         contexts = [rng.randint(low, high) for _ in range(batch_size)]
         nbytes = kv_bytes_per_layer(LLAMA_3_8B, 1, sum(contexts), False)
         for tile, short_context, short_tile in VARIANTS:
-            if tile is not None:
-                triton_attn._decode_config = lambda k_dim, tile=tile: (*tile, 8) if k_dim <= 128 else shipped[0](k_dim)
-            triton_attn.SHORT_CONTEXT, triton_attn.SHORT_TILE = short_context or shipped[1], short_tile or shipped[2]
-            us, splits = bench_case(LLAMA_3_8B, False, batch_size, contexts)
-            triton_attn._decode_config, triton_attn.SHORT_CONTEXT, triton_attn.SHORT_TILE = shipped
+            with decode_tiles(tile, short_context, short_tile):
+                us, splits = bench_case(LLAMA_3_8B, False, batch_size, contexts)
             print(f"batch {batch_size}, contexts {low}..{high}, tile {tile or 'as shipped'}, short up to "
                   f"{short_context or 'as shipped'} on {short_tile or 'as shipped'}, {splits} splits: "
                   f"{us:.1f} us, {nbytes / us / 1e3 / copy_gbps:.0%} of copy", flush=True)

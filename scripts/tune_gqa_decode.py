@@ -15,9 +15,8 @@ import sys
 import torch
 
 sys.path.insert(0, ".")
-from scripts.bench_attention import LLAMA_3_8B, bench_case, kv_bytes_per_layer  # noqa: E402
+from scripts.bench_attention import LLAMA_3_8B, bench_case, decode_tiles, kv_bytes_per_layer  # noqa: E402
 
-import nano.triton_attn as triton_attn  # noqa: E402
 from nano.bench_latency import measure_copy_bandwidth  # noqa: E402
 
 TILES = [(128, 4, 3), (64, 4, 3), (64, 4, 2), (64, 8, 3), (32, 4, 3), (32, 2, 3), (16, 2, 3), (16, 4, 3)]  # BLOCK_N, warps, stages
@@ -30,25 +29,21 @@ CASES = [(160, 136, [128]), (160, 272, [128]), (160, 544, [128]), (160, 1088, [1
 def main():
     copy_gbps = measure_copy_bandwidth("cuda") / 1e9
     print(f"GQA decode, bf16, {torch.cuda.get_device_name()}, copy {copy_gbps:.0f} GB/s\n")
-    original, original_short = triton_attn._decode_config, triton_attn.SHORT_TILE
     for batch_size, context, floors in CASES:
         nbytes = kv_bytes_per_layer(LLAMA_3_8B, batch_size, context, False)
         results = []
         for tile, floor in itertools.product(TILES, floors):
-            triton_attn._decode_config = lambda k_dim, tile=tile: (*tile, 8) if k_dim <= 128 else original(k_dim)
-            triton_attn.SHORT_TILE = tile  # the short requests' launch runs it too
-
             def configure(backend, floor=floor, tile=tile):
                 backend.min_split_tokens = floor or tile[0]
 
-            us, splits = bench_case(LLAMA_3_8B, False, batch_size, context, configure)
+            with decode_tiles(tile, short_tile=tile):  # the short requests' launch runs it too
+                us, splits = bench_case(LLAMA_3_8B, False, batch_size, context, configure)
             results.append((us, tile, floor or tile[0], splits))
             print(f"batch {batch_size} context {context} tile {tile} min_split {floor or tile[0]} splits {splits}: "
                   f"{us:.1f} us, {nbytes / us / 1e3 / copy_gbps:.0%} of copy", flush=True)
             torch.cuda.empty_cache()
         best = ", ".join(f"{us:.1f} us {tile} min {floor} ({splits} splits)" for us, tile, floor, splits in sorted(results)[:4])
         print(f"FASTEST at batch {batch_size}, context {context}: {best}", flush=True)
-    triton_attn._decode_config, triton_attn.SHORT_TILE = original, original_short
 
 
 if __name__ == "__main__":
