@@ -1,10 +1,10 @@
-"""The ops the models call, attention apart, and the one place that decides how each one runs.
+"""The ops the models and the sampler call, attention apart, and the one place that decides how each runs.
 
 model.py, rope.py and deepseek.py call `ops.linear`, `ops.fused_add_rms_norm` (and `ops.rms_norm`,
 the same with nothing to add), `ops.silu_and_mul` (and `ops.linear_silu_and_mul`, the two in a
-row), `ops.apply_rope_` and `ops.route` without asking where they run. Each has two
-implementations: the Triton kernel of the same name for CUDA tensors (triton_ops.py says what each
-gains: fewer launches, or for `linear` at one row, faster reads of the weight than cuBLAS's), and
+row), `ops.apply_rope_` and `ops.route`, and sampling.py calls `ops.argmax`, without asking where
+they run. Each has two implementations: the Triton kernel of the same name for CUDA tensors
+(triton_ops.py says what each gains: fewer launches, or faster reads than torch's kernels), and
 the plain torch below for any other. The torch version is what a CPU run computes and the truth
 the kernel tests compare against (`op.reference`). The device of the op's first tensor decides,
 here and nowhere else. triton is imported on the first call with a CUDA tensor: it is not a
@@ -80,6 +80,12 @@ def apply_rope_(q, k, cos_sin, positions, q_out=None, norm=None):
         out.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))
     if norm is not None:
         fused_add_rms_norm.reference(norm[0], None, *norm[1:], out=norm[0])
+
+
+@_triton_on_cuda
+def argmax(x):
+    """x [B, V] -> the index of each row's largest value (the first of equal ones) [B], int64."""
+    return x.argmax(dim=-1)
 
 
 @_triton_on_cuda

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nano import ops
 from nano.forward_batch import to_device
 
 MAX_LOGPROBS = 20  # alternatives listed per token at most (OpenAI's limit)
@@ -67,7 +68,7 @@ class Logprobs:
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
     """logits [B, vocab] -> next tokens [B] (int64, on the logits' device); probabilities in float32."""
-    greedy = logits.argmax(dim=-1)
+    greedy = ops.argmax(logits)
     if all(p.greedy for p in params):
         return greedy
     device = logits.device
@@ -77,7 +78,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list)
     race = torch.empty_like(probs)
     for row, gen in enumerate(generators):
         race[row].exponential_(generator=gen)
-    sampled = (probs / race).argmax(dim=-1)
+    sampled = ops.argmax(probs / race)
     is_greedy = to_device([p.greedy for p in params], torch.bool, device)
     return torch.where(is_greedy, greedy, sampled)
 

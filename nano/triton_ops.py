@@ -1,5 +1,6 @@
 """Fused per-token kernels: residual add + RMSNorm, SiLU-and-multiply, rope (one launch each) and
-MoE routing (two); and the linear layer of a single row, alone or with SiLU-and-multiply.
+MoE routing (two); the linear layer of a single row, alone or with SiLU-and-multiply; and the
+argmax of each row of logits (two).
 
 Besides its matmuls and attention, a decoder layer does a few small things to each token on its
 own: two RMSNorms, two residual adds, the MLP's gate activation, and rope on q and k. Written in
@@ -35,6 +36,8 @@ How each kernel splits the work:
   `linear_silu_and_mul` is the MLP's gate/up projection in the same kernel: a program reads 2
   gate rows and the 2 up rows that go with them, side by side in one loop, and stores
   silu(gate) * up, so at batch 1 the SiLU-and-mul kernel is gone.
+- argmax (sampling.py): torch reduces a row of logits in one block, far below the bandwidth; here
+  a grid of (row, 4096-wide slice) finds each slice's best, then one program a row the best slice.
 
 Arithmetic is in float32, rounded to the activation dtype where the HF reference rounds, so bf16
 results match torch's to the bit or nearly. The kernels take each tensor's row (token, head)
@@ -405,3 +408,43 @@ def linear_silu_and_mul(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.
     if x.shape[0] != 1:
         return silu_and_mul(F.linear(x, gate_up_weight))
     return _matvec(x, gate_up_weight, None, gated=True)
+
+
+ARGMAX_BLOCK = 4096  # one slice of a row: 32 values a thread of 4 warps
+
+
+@triton.jit
+def _argmax_slices_kernel(x_ptr, best_ptr, index_ptr, width, row_stride, num_slices, BLOCK: tl.constexpr):
+    launch_dependents()
+    wait_for_inputs()
+    row, piece = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    cols = piece * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * row_stride + cols, mask=cols < width, other=float("-inf")).to(tl.float32)
+    best, at = tl.max(x, 0, return_indices=True)  # the first of equal values
+    tl.store(best_ptr + row * num_slices + piece, best)
+    tl.store(index_ptr + row * num_slices + piece, piece * BLOCK + at)
+
+
+@triton.jit
+def _argmax_pick_kernel(best_ptr, index_ptr, out_ptr, num_slices, BLOCK_S: tl.constexpr):
+    launch_dependents()
+    wait_for_inputs()
+    row, slices = tl.program_id(0).to(tl.int64), tl.arange(0, BLOCK_S)
+    best = tl.load(best_ptr + row * num_slices + slices, mask=slices < num_slices, other=float("-inf"))
+    first_best = tl.argmax(best, 0)  # the first slice of equal values: the lowest index
+    tl.store(out_ptr + row, tl.load(index_ptr + row * num_slices + first_best).to(tl.int64))
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x [B, V] -> the index of each row's largest value (the first of equal ones) [B], int64."""
+    num_rows, width = x.shape
+    assert x.stride(-1) == 1
+    num_slices = triton.cdiv(width, ARGMAX_BLOCK)
+    best = torch.empty((num_rows, num_slices), dtype=torch.float32, device=x.device)
+    index = torch.empty((num_rows, num_slices), dtype=torch.int32, device=x.device)
+    out = torch.empty(num_rows, dtype=torch.int64, device=x.device)
+    _argmax_slices_kernel[(num_rows, num_slices)](x, best, index, width, x.stride(0), num_slices,
+                                                  BLOCK=ARGMAX_BLOCK, num_warps=4, launch_pdl=PDL)
+    _argmax_pick_kernel[(num_rows,)](best, index, out, num_slices, BLOCK_S=triton.next_power_of_2(num_slices),
+                                     num_warps=1, launch_pdl=PDL)
+    return out

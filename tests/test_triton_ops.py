@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from nano import ops
 from nano.rope import RotaryEmbedding
-from nano.triton_ops import apply_rope_, fused_add_rms_norm, linear, linear_silu_and_mul, route, silu_and_mul
+from nano.triton_ops import apply_rope_, argmax, fused_add_rms_norm, linear, linear_silu_and_mul, route, silu_and_mul
 from tests.helpers import DEVICE, DTYPES, assert_close, gpu, nan_allocations, randn
 
 DEEPSEEK_YARN = {"rope_type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
@@ -89,6 +89,25 @@ def check_rope_fused_qkv(num_tokens: int, num_heads: int, num_kv_heads: int, hea
 
     positions = torch.randint(0, max_positions, (num_tokens,), device=DEVICE)
     check_rope(rotary, (qkv,), carve, positions)
+
+
+def check_argmax(num_rows: int, width: int, dtype: torch.dtype):
+    """Rows of a wider tensor, whose columns past the view hold larger values than any in it; first
+    with random values (ties between the largest are common in bfloat16), then with each row's
+    largest value planted three times: at a random place, beside it, and at the row's end (another
+    slice, unless the row is one). The first of equal values must win, as in torch's argmax (the
+    interpreter ignores Triton's tie-break: only the GPU tests check it)."""
+    wide = randn(num_rows, width + 3, dtype=dtype)
+    wide[:, width:] = 100.0
+    x = wide[:, :width]
+    expected = ops.argmax.reference(x)
+    with nan_allocations():
+        assert torch.equal(argmax(x), expected)
+    rows, first = torch.arange(num_rows, device=DEVICE), torch.randint(0, width - 2, (num_rows,), device=DEVICE)
+    for at in (first + 1, torch.full_like(first, width - 1), first):
+        x[rows, at] = 10.0
+    with nan_allocations():
+        assert torch.equal(argmax(x), first)
 
 
 # ---------------------------------------------------------------- small, odd sizes (CPU: interpreter)
@@ -196,6 +215,12 @@ def test_linear_silu_and_mul(intermediate, in_features, dtype):
     check_linear_silu_and_mul(intermediate, in_features, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("width", [100, 4096, 10000])  # one partial slice, one whole, three
+def test_argmax(width, dtype):
+    check_argmax(3, width, dtype)
+
+
 # ---------------------------------------------------------------- GPU, Llama-3-8B sizes (the router: DeepSeek-V2-Lite), bfloat16
 
 
@@ -239,6 +264,12 @@ def test_gpu_linear(out_features, in_features):  # Llama-3-8B's q/k/v and down_p
 @pytest.mark.parametrize("intermediate, in_features", [(14336, 4096), (10944, 2048)])
 def test_gpu_linear_silu_and_mul(intermediate, in_features):  # Llama-3-8B's and DeepSeek's dense gate/up
     check_linear_silu_and_mul(intermediate, in_features, torch.bfloat16)
+
+
+@gpu
+@pytest.mark.parametrize("num_rows, width", [(1, 128256), (160, 128256), (1, 102400)])  # Llama-3's vocabulary, DeepSeek-V2's
+def test_gpu_argmax(num_rows, width):
+    check_argmax(num_rows, width, torch.bfloat16)  # where random values tie often
 
 
 @gpu
