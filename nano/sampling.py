@@ -9,7 +9,8 @@ Log-probabilities, for a request that asks (`logprobs`: how many likeliest alter
 at most 20), are those of the model's own distribution: log_softmax of the raw logits, before
 temperature, top-k and top-p, as OpenAI and vLLM report them. Only the rows that ask compute them.
 Sampling uses the "exponential race": argmax(p / E) with E ~ Exp(1) picks token i with
-probability p_i, and needs no cumulative sums over the vocabulary.
+probability p_i, and needs no cumulative sums over the vocabulary. Each argmax is `ops.argmax`:
+on the GPU a split reduction (triton_ops.py), a few microseconds where torch's takes 20-45.
 """
 
 import math
