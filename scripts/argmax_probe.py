@@ -1,5 +1,5 @@
 """Greedy sampling's argmax over bf16 logits: torch's reduction against nano's two-launch kernel
-(ops.argmax, triton_ops.py), at batch 1, 160 and 256 of Llama-3's vocabulary and batch 1 of
+(ops.argmax, triton_ops.py), at batch 1, 64, 160 and 256 of Llama-3's vocabulary and batch 1 of
 DeepSeek-V2's, in CUDA graphs (scripts/matmul_probe.py's timing). "warm" runs over one buffer, as
 a step does right after lm_head wrote it; "cold" over 400 MB of copies, none still in the L2 cache.
 Usage: python scripts/argmax_probe.py"""
