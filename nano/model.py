@@ -16,7 +16,9 @@ Three things make the code below differ from a training implementation:
   rows of the fused weight. What follows works on views into that output where it can: rope
   rotates q and k in place.
 - each residual add is fused into the RMSNorm that follows it (`add_and_norm`, one kernel on the
-  GPU: ops.py), so a layer hands on its output and the residual stream separately.
+  GPU: ops.py), so a layer hands on its output and the residual stream separately. That kernel
+  can also finish the matmul before it: on the GPU, o_proj and down_proj (`split_k`) multiply the
+  two halves of their input apart at decode sizes, and the add sums the two products.
 - only the last token of each request gets logits: that is all sampling needs.
 
 Loading weights into these modules is loader.py's job; each model only says where a checkpoint
@@ -39,18 +41,19 @@ from nano.rope import RotaryEmbedding
 class Linear(nn.Module):
     """y = x W^T. Several checkpoint matrices that multiply the same input may be stacked into one
     weight: `stacked` names them (their module names in the checkpoint), `output_sizes` gives their
-    rows, and a bias is stacked the same way. Both are left uninitialised: the loader fills them."""
+    rows, and a bias is stacked the same way. Both are left uninitialised: the loader fills them.
+    split_k: the output goes to `add_and_norm` only, which takes partial products (ops.linear)."""
 
     def __init__(self, in_features: int, output_sizes: int | list[int], dtype: torch.dtype | None = None,
-                 stacked: tuple[str, ...] | None = None, bias: bool = False):
+                 stacked: tuple[str, ...] | None = None, bias: bool = False, split_k: bool = False):
         super().__init__()
         self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else output_sizes
-        self.stacked = stacked
+        self.stacked, self.split_k = stacked, split_k
         self.weight = nn.Parameter(torch.empty(sum(self.output_sizes), in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(sum(self.output_sizes), dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x):
-        return ops.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias, self.split_k)
 
 
 class RMSNorm(nn.Module):
@@ -74,7 +77,7 @@ class SwiGLU(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.gate_up_proj = Linear(hidden, [intermediate, intermediate], stacked=("gate_proj", "up_proj"))
-        self.down_proj = Linear(intermediate, hidden)
+        self.down_proj = Linear(intermediate, hidden, split_k=True)
 
     def forward(self, x):
         return self.down_proj(ops.linear_silu_and_mul(x, self.gate_up_proj.weight))  # silu(gate) * up [T, I]
@@ -88,7 +91,7 @@ class LlamaAttention(nn.Module):
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size], stacked=("q_proj", "k_proj", "v_proj"),
                                bias=cfg.qkv_bias)
-        self.o_proj = Linear(q_size, cfg.hidden_size)
+        self.o_proj = Linear(q_size, cfg.hidden_size, split_k=True)
         # Qwen3: an RMSNorm over each head's query and key (weight [head_dim]), before rope
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -117,7 +120,8 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
 
     def forward(self, x, residual, batch, attn):
-        """x: the previous block's output, not yet added to the residual stream."""
+        """x: the previous block's output, not yet added to the residual stream (maybe as partial
+        products [2, T, hidden]: split_k)."""
         h, residual = self.input_layernorm.add_and_norm(x, residual)
         h, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(h, batch, attn), residual)
         return self.mlp(h), residual
@@ -145,7 +149,7 @@ class CausalLM(nn.Module):
             x, residual = layer(x, residual, batch, attn)
         if not batch.is_decode:  # keep only each request's last token, or the rows the batch names
             rows = batch.extend_start_loc + batch.extend_lens - 1 if batch.logit_rows is None else batch.logit_rows
-            x, residual = x[rows], residual[rows]  # [B or R, hidden]
+            x, residual = x[..., rows, :], residual[rows]  # [(2,) B or R, hidden]
         x, _ = self.norm.add_and_norm(x, residual)
         return self.logits(x)
 

@@ -13,6 +13,12 @@ torch:
 A Triton kernel reads the ids itself and points into the stacked weights, so nothing is copied
 and the host never looks.
 
+The router runs first, in two launches (`route`; torch takes about ten: the float32 cast, the
+matmul, softmax, a sort and a gather for topk, the rescale, the appends): a grid of (4 tokens, 128
+hidden channels) computes partial float32 logits, so even one token's router weight is read by
+many programs; then one program per token adds its partials up in a fixed order, takes the
+softmax and the top k, and appends the shared experts.
+
 The experts a token runs are its k routed ones and the S shared ones (deepseek.py): the router
 appends the shared experts to every token's choice with weight 1, so all kernels here see `slots` =
 k + S (expert, weight) pairs per token and no special case. The weights are stacked for that:
@@ -100,6 +106,89 @@ import triton.language as tl
 
 from nano.forward_batch import batch_bucket
 from nano.triton_ops import PDL, dot_precision, launch_dependents, wait_for_inputs
+
+# The router's logits in float32: a program per chunk of 128 hidden channels and block of 4 tokens,
+# so at batch 1 the 0.5 MB float32 weight (DeepSeek-V2-Lite) is read by 16 programs at once instead
+# of one. A program walks its tokens one after another: 4 rather than 16 took DeepSeek's router
+# from 14.4 to 9.9 us a layer at 160 tokens (scripts/moe_bookkeeping_probe.py). _route_kernel adds
+# the chunks up.
+ROUTER_BLOCK_T, ROUTER_BLOCK_H = 4, 128
+
+
+@triton.jit
+def _router_logits_kernel(x_ptr, w_ptr, partial_ptr, num_tokens, num_experts, hidden, x_row_stride,
+                          BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr):
+    launch_dependents()
+    first_token, chunk = tl.program_id(0).to(tl.int64) * BLOCK_T, tl.program_id(1)
+    cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
+    experts = tl.arange(0, BLOCK_E)
+    in_cols, in_experts = cols < hidden, experts < num_experts
+    w = tl.load(w_ptr + experts[:, None] * hidden + cols[None, :],
+                mask=in_experts[:, None] & in_cols[None, :], other=0.0).to(tl.float32)  # [BLOCK_E, BLOCK_H]
+    wait_for_inputs()
+    for token in range(first_token, tl.minimum(first_token + BLOCK_T, num_tokens)):  # the tile stays in registers
+        x = tl.load(x_ptr + token * x_row_stride + cols, mask=in_cols, other=0.0).to(tl.float32)
+        partial = tl.sum(w * x[None, :], axis=1)  # [BLOCK_E]: float32 products, summed in a fixed order
+        tl.store(partial_ptr + (chunk * num_tokens + token) * num_experts + experts, partial,
+                 mask=in_experts)  # partial logits [chunks, T, E]
+
+
+@triton.jit
+def _route_kernel(partial_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, num_chunks, routed_scaling,
+                  TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr, RENORMALIZE: tl.constexpr,
+                  BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    launch_dependents()
+    wait_for_inputs()
+    token = tl.program_id(0).to(tl.int64)
+    experts, chunks = tl.arange(0, BLOCK_E), tl.arange(0, BLOCK_C)
+    partial = tl.load(partial_ptr + (chunks[:, None] * num_tokens + token) * num_experts + experts[None, :],
+                      mask=(chunks[:, None] < num_chunks) & (experts[None, :] < num_experts), other=0.0)
+    logits = tl.where(experts < num_experts, tl.sum(partial, 0), float("-inf"))  # [BLOCK_E], in a fixed order
+    scores = tl.exp(logits - tl.max(logits, 0))
+    scores = scores / tl.sum(scores, 0)  # softmax [BLOCK_E]; padding lanes are 0
+    slots = tl.arange(0, BLOCK_K)
+    weights = tl.zeros([BLOCK_K], dtype=tl.float32)
+    ids = tl.zeros([BLOCK_K], dtype=tl.int64)
+    for slot in tl.static_range(TOP_K):  # the k best, one pass each: highest score, lowest id on ties
+        best = tl.max(scores, 0)
+        best_id = tl.min(tl.where(scores == best, experts, BLOCK_E), 0)
+        weights = tl.where(slots == slot, best, weights)
+        ids = tl.where(slots == slot, best_id, ids)
+        scores = tl.where(experts == best_id, -1.0, scores)
+    if RENORMALIZE:
+        weights = weights / (tl.sum(weights, 0) + 1e-20)
+    else:
+        weights = weights * routed_scaling
+    is_shared = slots >= TOP_K  # experts E, E+1, ... of weight 1
+    weights = tl.where(is_shared, 1.0, weights)
+    ids = tl.where(is_shared, num_experts + slots - TOP_K, ids)
+    row = token * (TOP_K + NUM_SHARED) + slots
+    tl.store(weights_ptr + row, weights, mask=slots < TOP_K + NUM_SHARED)
+    tl.store(ids_ptr + row, ids, mask=slots < TOP_K + NUM_SHARED)
+
+
+def route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool, routed_scaling: float,
+          num_shared: int = 0):
+    """A MoE router in two launches (torch takes about ten: the float32 cast, the matmul, softmax, a
+    sort and a gather for topk, the rescale, the two appends): x [T, hidden], gate_weight [E, hidden]
+    -> (weights [T, k + num_shared] float32, expert ids [T, k + num_shared] int64), best first, then
+    the shared experts. See ops.route for the rule."""
+    (num_tokens, hidden), num_experts = x.shape, gate_weight.shape[0]
+    assert x.stride(-1) == 1 and gate_weight.is_contiguous() and gate_weight.shape[1] == hidden
+    num_chunks, slots = triton.cdiv(hidden, ROUTER_BLOCK_H), top_k + num_shared
+    block_e = max(16, triton.next_power_of_2(num_experts))
+    partial = torch.empty((num_chunks, num_tokens, num_experts), dtype=torch.float32, device=x.device)
+    _router_logits_kernel[(triton.cdiv(num_tokens, ROUTER_BLOCK_T), num_chunks)](
+        x, gate_weight, partial, num_tokens, num_experts, hidden, x.stride(0),
+        BLOCK_T=ROUTER_BLOCK_T, BLOCK_H=ROUTER_BLOCK_H, BLOCK_E=block_e, num_warps=4, launch_pdl=PDL)
+    weights = torch.empty((num_tokens, slots), dtype=torch.float32, device=x.device)
+    ids = torch.empty((num_tokens, slots), dtype=torch.int64, device=x.device)
+    _route_kernel[(num_tokens,)](partial, weights, ids, num_tokens, num_experts, num_chunks, routed_scaling,
+                                 TOP_K=top_k, NUM_SHARED=num_shared, RENORMALIZE=renormalize,
+                                 BLOCK_C=triton.next_power_of_2(num_chunks), BLOCK_E=block_e,
+                                 BLOCK_K=triton.next_power_of_2(slots), num_warps=1, launch_pdl=PDL)
+    return weights, ids
+
 
 GATE_UP_BLOCK_N, GATE_UP_BLOCK_K = 16, 512  # the mat-vec kernels' tiles (the module lesson says why)
 DOWN_TILE, ONE_TOKEN_DOWN_TILE = (16, 128, 4), (8, 256, 8)  # the down product's (BLOCK_N, BLOCK_K, warps)

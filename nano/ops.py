@@ -4,7 +4,8 @@ model.py, rope.py and deepseek.py call `ops.linear`, `ops.fused_add_rms_norm` (a
 the same with nothing to add), `ops.silu_and_mul` (and `ops.linear_silu_and_mul`, the two in a
 row), `ops.apply_rope_` and `ops.route`, and sampling.py calls `ops.argmax`, without asking where
 they run. Each has two implementations: the Triton kernel of the same name for CUDA tensors
-(triton_ops.py says what each gains: fewer launches, or faster reads than torch's kernels), and
+(triton_ops.py, the router's moe_kernels.py, say what each gains: fewer launches, or faster reads
+than torch's kernels), and
 the plain torch below for any other. The torch version is what a CPU run computes and the truth
 the kernel tests compare against (`op.reference`). The device of the op's first tensor decides,
 here and nowhere else. triton is imported on the first call with a CUDA tensor: it is not a
@@ -25,28 +26,37 @@ def kernels(module: str = "triton_ops"):
     return importlib.import_module(f"nano.{module}")
 
 
-def _triton_on_cuda(reference):
-    """The op: triton_ops' kernel of the same name when the first tensor is on CUDA, else `reference`."""
+def _triton_on_cuda(module: str = "triton_ops"):
+    """Makes an op of the torch function below it (`reference`): `module`'s kernel of the same name
+    runs when the op's first tensor is on CUDA, the reference otherwise."""
 
-    @functools.wraps(reference)
-    def op(x, *args, **kwargs):
-        return (getattr(kernels(), reference.__name__) if x.is_cuda else reference)(x, *args, **kwargs)
+    def make_op(reference):
+        @functools.wraps(reference)
+        def op(x, *args, **kwargs):
+            return (getattr(kernels(module), reference.__name__) if x.is_cuda else reference)(x, *args, **kwargs)
 
-    op.reference = reference
-    return op
+        op.reference = reference
+        return op
+
+    return make_op
 
 
-@_triton_on_cuda
-def linear(x, weight, bias=None):
-    """x [T, in] -> x weight^T + bias [T, out]."""
+@_triton_on_cuda()
+def linear(x, weight, bias=None, split_k=False):
+    """x [T, in] -> x weight^T + bias [T, out]. split_k: the caller hands the output to
+    fused_add_rms_norm, so the kernel side may return partial products to add up there."""
     return F.linear(x, weight, bias)
 
 
-@_triton_on_cuda
+@_triton_on_cuda()
 def fused_add_rms_norm(x, residual, weight, eps, out=None):
     """residual += x, then normalise it -> (normed, residual); residual None: the stream starts at x.
-    The normed rows go into `out` when given, which may be x."""
-    residual = x if residual is None else x + residual
+    x may be partial products [S, T, hidden] (linear): their sum is added to the residual in float32,
+    rounded once, as the kernel does. The normed rows go into `out` when given, which may be x."""
+    if x.dim() == 3:
+        residual = (x.float().sum(0) + residual).to(residual.dtype)
+    else:
+        residual = x if residual is None else x + residual
     normed = F.rms_norm(residual, weight.shape, weight, eps)
     return (normed if out is None else out.copy_(normed)), residual
 
@@ -56,20 +66,20 @@ def rms_norm(x, weight, eps, out=None):
     return fused_add_rms_norm(x, None, weight, eps, out)[0]
 
 
-@_triton_on_cuda
+@_triton_on_cuda()
 def silu_and_mul(gate_up):
     """gate_up [T, 2I] (gate in the first I columns, up in the rest) -> silu(gate) * up [T, I]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
-@_triton_on_cuda
+@_triton_on_cuda()
 def linear_silu_and_mul(x, gate_up_weight):
     """x [T, in], gate_up_weight [2I, in] (gate rows, then up rows) -> silu_and_mul(linear) [T, I]."""
     return silu_and_mul.reference(linear.reference(x, gate_up_weight))
 
 
-@_triton_on_cuda
+@_triton_on_cuda()
 def apply_rope_(q, k, cos_sin, positions, q_out=None, norm=None):
     """Rotate q [T, H, d] and k [T, Hkv, d] in place by their tokens' positions [T] (rope.py); q
     into q_out instead when given. norm (x, weight, eps): also rms_norm x's rows in place (one
@@ -82,13 +92,13 @@ def apply_rope_(q, k, cos_sin, positions, q_out=None, norm=None):
         fused_add_rms_norm.reference(norm[0], None, *norm[1:], out=norm[0])
 
 
-@_triton_on_cuda
+@_triton_on_cuda()
 def argmax(x):
     """x [B, V] -> the index of each row's largest value (the first of equal ones) [B], int64."""
     return x.argmax(dim=-1)
 
 
-@_triton_on_cuda
+@_triton_on_cuda("moe_kernels")
 def route(x, gate_weight, top_k, renormalize, routed_scaling, num_shared=0):
     """A MoE router: x [T, hidden] -> logits over E experts in float32 (as DeepSeek does: bf16
     rounding would flip the choice between close experts) -> softmax, the top k (weights float32,

@@ -1,6 +1,6 @@
-"""Fused per-token kernels: residual add + RMSNorm, SiLU-and-multiply, rope (one launch each) and
-MoE routing (two); the linear layer of a single row, alone or with SiLU-and-multiply; and the
-argmax of each row of logits (two).
+"""Fused per-token kernels: residual add + RMSNorm, SiLU-and-multiply, rope (one launch each); the
+linear layer of a single row, alone or with SiLU-and-multiply, and of a few rows split in K; and the
+argmax of each row of logits (two). (The MoE router's kernels live with the experts': moe_kernels.py.)
 
 Besides its matmuls and attention, a decoder layer does a few small things to each token on its
 own: two RMSNorms, two residual adds, the MLP's gate activation, and rope on q and k. Written in
@@ -15,7 +15,8 @@ How each kernel splits the work:
 - fused_add_rms_norm (alone, with residual None): one program per token row. The whole row (hidden <= 8192) is
   one block in registers, so the mean of squares is one `tl.sum`; wider rows get more warps, so
   that each thread still loads a couple of 16-byte vectors. The residual add shares the launch:
-  the sum is stored as the new residual stream and normalised from registers.
+  the sum is stored as the new residual stream and normalised from registers. Its input may be a
+  split-K linear's two partial products (below), added in float32 before the residual.
 - apply_rope_: a grid of (token, 2): program 0 rotates all of the token's query heads, program 1
   all its key heads, each as two [heads, d/2] tiles (the halves); the token's cos/sin row is
   loaded once and broadcast over heads. It writes in place, or the query heads into `q_out`
@@ -23,10 +24,6 @@ How each kernel splits the work:
   another row in the same launch (DeepSeek's latent, whose norm is due at the same point).
 - silu_and_mul: a grid of (token, block of columns) over the [T, I] output; a program reads its
   columns of gate and the same columns of up, I elements further along the row.
-- route (a MoE router, deepseek.py): a grid of (4 tokens, 128 hidden channels) computes partial
-  float32 logits, so even one token's router weight is read by many programs; then one program
-  per token adds its partials up in a fixed order, takes the softmax and the top k, and appends
-  the shared experts.
 - linear, for one row (decode at batch 1): a mat-vec, grid (N / 4): a program reads 4 rows of the
   weight along K in 1024-wide steps (8 bf16 values, one 16-byte load, per thread and row),
   multiplies element by element into a float32 tile and sums it once at the end. Every program
@@ -36,6 +33,12 @@ How each kernel splits the work:
   `linear_silu_and_mul` is the MLP's gate/up projection in the same kernel: a program reads 2
   gate rows and the 2 up rows that go with them, side by side in one loop, and stores
   silu(gate) * up, so at batch 1 the SiLU-and-mul kernel is gone.
+- linear with `split_k`, for 2-256 rows (o_proj and down_proj): at so few rows cuBLAS's tiles leave
+  much of the GPU idle (o_proj at 160 rows reads its weight at 1.8 TB/s). One strided-batched
+  matmul over the two halves of K runs twice the programs, each half writing its own product, and
+  the residual add + RMSNorm that reads the output next adds the two: on an H200, o_proj at 160
+  rows takes 12.5 against 18.9 us, down_proj 34.2 against 40.1 (BENCHMARKS.md). Each half is
+  rounded to the activation dtype, as torch lets cuBLAS's own split-K reductions do in bf16.
 - argmax (sampling.py): torch reduces a row of logits in one block, far below the bandwidth; here
   a grid of (row, 4096-wide slice) finds each slice's best, then one program a row the best slice.
 
@@ -92,15 +95,17 @@ SILU_BLOCK = 1024
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
-                     x_row_stride, residual_row_stride, out_row_stride, new_residual_row_stride,
-                     hidden, eps, ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     x_part_stride, x_row_stride, residual_row_stride, out_row_stride, new_residual_row_stride,
+                     hidden, eps, ADD_RESIDUAL: tl.constexpr, NUM_PARTS: tl.constexpr, BLOCK: tl.constexpr):
     launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     in_row = cols < hidden
     weight = tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
     wait_for_inputs()
-    x = tl.load(x_ptr + row * x_row_stride + cols, mask=in_row, other=0.0).to(tl.float32)  # [BLOCK]
+    x = tl.zeros([BLOCK], dtype=tl.float32)
+    for part in tl.static_range(NUM_PARTS):  # a split-K linear's partial products (linear), summed in float32
+        x += tl.load(x_ptr + part * x_part_stride + row * x_row_stride + cols, mask=in_row, other=0.0).to(tl.float32)
     if ADD_RESIDUAL:
         # The residual stream lives in the activation dtype: round the sum, then normalise that.
         x += tl.load(residual_ptr + row * residual_row_stride + cols, mask=in_row, other=0.0).to(tl.float32)
@@ -121,26 +126,29 @@ def _store_normed(x, weight, hidden, eps, out_ptrs, in_row):
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                        eps: float, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, residual [T, hidden] -> (rms_norm(x + residual) * weight, x + residual), in x's dtype.
+    """x, residual [T, hidden] -> (rms_norm(x + residual) * weight, x + residual), in x's dtype; x
+    may be a split-K linear's partial products [S, T, hidden] (linear), whose sum is added.
 
     With residual None (the first layer: nothing to add yet) -> (rms_norm(x) * weight, x). The
     normed rows go to `out` when given; it may be x itself (a program loads its whole row first)."""
-    num_tokens, hidden = x.shape
+    parts = x.unsqueeze(0) if x.dim() == 2 else x  # [S, T, hidden]
+    num_parts, num_tokens, hidden = parts.shape
     assert x.stride(-1) == 1 and weight.shape == (hidden,) and weight.is_contiguous()
     if out is None:
         out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)  # [T, hidden]
-    assert out.shape == x.shape and out.dtype == x.dtype and out.stride(-1) == 1
+    assert out.shape == (num_tokens, hidden) and out.dtype == x.dtype and out.stride(-1) == 1
     add_residual = residual is not None
     if not add_residual:
+        assert num_parts == 1, "the residual stream starts at a whole row"
         residual = new_residual = x  # the kernel reads and writes neither
     else:
-        assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1
+        assert residual.shape == out.shape and residual.dtype == x.dtype and residual.stride(-1) == 1
         new_residual = torch.empty_like(out)  # [T, hidden]
     block = triton.next_power_of_2(hidden)
     _rms_norm_kernel[(num_tokens,)](
         x, residual, weight, out, new_residual,
-        x.stride(0), residual.stride(0), out.stride(0), new_residual.stride(0),
-        hidden, eps, ADD_RESIDUAL=add_residual, BLOCK=block,
+        parts.stride(0), parts.stride(1), residual.stride(0), out.stride(0), new_residual.stride(0),
+        hidden, eps, ADD_RESIDUAL=add_residual, NUM_PARTS=num_parts, BLOCK=block,
         num_warps=min(max(block // 512, 1), 16), launch_pdl=PDL,
     )
     return out, new_residual
@@ -244,89 +252,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# The router's logits in float32: a program per chunk of 128 hidden channels and block of 4 tokens,
-# so at batch 1 the 0.5 MB float32 weight (DeepSeek-V2-Lite) is read by 16 programs at once instead
-# of one. A program walks its tokens one after another: 4 rather than 16 took DeepSeek's router
-# from 14.4 to 9.9 us a layer at 160 tokens (scripts/moe_bookkeeping_probe.py). _route_kernel adds
-# the chunks up.
-ROUTER_BLOCK_T, ROUTER_BLOCK_H = 4, 128
-
-
-@triton.jit
-def _router_logits_kernel(x_ptr, w_ptr, partial_ptr, num_tokens, num_experts, hidden, x_row_stride,
-                          BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr):
-    launch_dependents()
-    first_token, chunk = tl.program_id(0).to(tl.int64) * BLOCK_T, tl.program_id(1)
-    cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
-    experts = tl.arange(0, BLOCK_E)
-    in_cols, in_experts = cols < hidden, experts < num_experts
-    w = tl.load(w_ptr + experts[:, None] * hidden + cols[None, :],
-                mask=in_experts[:, None] & in_cols[None, :], other=0.0).to(tl.float32)  # [BLOCK_E, BLOCK_H]
-    wait_for_inputs()
-    for token in range(first_token, tl.minimum(first_token + BLOCK_T, num_tokens)):  # the tile stays in registers
-        x = tl.load(x_ptr + token * x_row_stride + cols, mask=in_cols, other=0.0).to(tl.float32)
-        partial = tl.sum(w * x[None, :], axis=1)  # [BLOCK_E]: float32 products, summed in a fixed order
-        tl.store(partial_ptr + (chunk * num_tokens + token) * num_experts + experts, partial,
-                 mask=in_experts)  # partial logits [chunks, T, E]
-
-
-@triton.jit
-def _route_kernel(partial_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, num_chunks, routed_scaling,
-                  TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr, RENORMALIZE: tl.constexpr,
-                  BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    launch_dependents()
-    wait_for_inputs()
-    token = tl.program_id(0).to(tl.int64)
-    experts, chunks = tl.arange(0, BLOCK_E), tl.arange(0, BLOCK_C)
-    partial = tl.load(partial_ptr + (chunks[:, None] * num_tokens + token) * num_experts + experts[None, :],
-                      mask=(chunks[:, None] < num_chunks) & (experts[None, :] < num_experts), other=0.0)
-    logits = tl.where(experts < num_experts, tl.sum(partial, 0), float("-inf"))  # [BLOCK_E], in a fixed order
-    scores = tl.exp(logits - tl.max(logits, 0))
-    scores = scores / tl.sum(scores, 0)  # softmax [BLOCK_E]; padding lanes are 0
-    slots = tl.arange(0, BLOCK_K)
-    weights = tl.zeros([BLOCK_K], dtype=tl.float32)
-    ids = tl.zeros([BLOCK_K], dtype=tl.int64)
-    for slot in tl.static_range(TOP_K):  # the k best, one pass each: highest score, lowest id on ties
-        best = tl.max(scores, 0)
-        best_id = tl.min(tl.where(scores == best, experts, BLOCK_E), 0)
-        weights = tl.where(slots == slot, best, weights)
-        ids = tl.where(slots == slot, best_id, ids)
-        scores = tl.where(experts == best_id, -1.0, scores)
-    if RENORMALIZE:
-        weights = weights / (tl.sum(weights, 0) + 1e-20)
-    else:
-        weights = weights * routed_scaling
-    is_shared = slots >= TOP_K  # experts E, E+1, ... of weight 1
-    weights = tl.where(is_shared, 1.0, weights)
-    ids = tl.where(is_shared, num_experts + slots - TOP_K, ids)
-    row = token * (TOP_K + NUM_SHARED) + slots
-    tl.store(weights_ptr + row, weights, mask=slots < TOP_K + NUM_SHARED)
-    tl.store(ids_ptr + row, ids, mask=slots < TOP_K + NUM_SHARED)
-
-
-def route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool, routed_scaling: float,
-          num_shared: int = 0):
-    """A MoE router in two launches (torch takes about ten: the float32 cast, the matmul, softmax, a
-    sort and a gather for topk, the rescale, the two appends): x [T, hidden], gate_weight [E, hidden]
-    -> (weights [T, k + num_shared] float32, expert ids [T, k + num_shared] int64), best first, then
-    the shared experts. See ops.route for the rule."""
-    (num_tokens, hidden), num_experts = x.shape, gate_weight.shape[0]
-    assert x.stride(-1) == 1 and gate_weight.is_contiguous() and gate_weight.shape[1] == hidden
-    num_chunks, slots = triton.cdiv(hidden, ROUTER_BLOCK_H), top_k + num_shared
-    block_e = max(16, triton.next_power_of_2(num_experts))
-    partial = torch.empty((num_chunks, num_tokens, num_experts), dtype=torch.float32, device=x.device)
-    _router_logits_kernel[(triton.cdiv(num_tokens, ROUTER_BLOCK_T), num_chunks)](
-        x, gate_weight, partial, num_tokens, num_experts, hidden, x.stride(0),
-        BLOCK_T=ROUTER_BLOCK_T, BLOCK_H=ROUTER_BLOCK_H, BLOCK_E=block_e, num_warps=4, launch_pdl=PDL)
-    weights = torch.empty((num_tokens, slots), dtype=torch.float32, device=x.device)
-    ids = torch.empty((num_tokens, slots), dtype=torch.int64, device=x.device)
-    _route_kernel[(num_tokens,)](partial, weights, ids, num_tokens, num_experts, num_chunks, routed_scaling,
-                                 TOP_K=top_k, NUM_SHARED=num_shared, RENORMALIZE=renormalize,
-                                 BLOCK_C=triton.next_power_of_2(num_chunks), BLOCK_E=block_e,
-                                 BLOCK_K=triton.next_power_of_2(slots), num_warps=1, launch_pdl=PDL)
-    return weights, ids
-
-
 LINEAR_BLOCK_N, LINEAR_BLOCK_K = 4, 1024  # the mat-vec's tile (the module lesson says why)
 
 
@@ -394,11 +319,25 @@ def _matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ga
     return out
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, in] -> x weight^T + bias [T, out]: the mat-vec kernel for one row, cuBLAS for more."""
-    if x.dim() != 2 or x.shape[0] != 1:
-        return F.linear(x, weight, bias)
-    return _matvec(x, weight, bias, gated=False)
+# The most rows at which a split-K linear hands on two partial products (linear): a batch bucket's
+# edge (forward_batch.py), so a batch padded to its bucket splits as the batch itself does.
+SPLIT_K_MAX_ROWS = 256
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, split_k: bool = False):
+    """x [T, in] -> x weight^T + bias [T, out]: the mat-vec kernel for one row, cuBLAS for more. With
+    split_k, up to SPLIT_K_MAX_ROWS rows -> the products of the two halves of `in` [2, T, out], for
+    fused_add_rms_norm to add up: two batched halves fill the GPU where one matmul of so few rows did not."""
+    if x.dim() == 2 and x.shape[0] == 1:
+        return _matvec(x, weight, bias, gated=False)
+    if split_k and bias is None and x.dim() == 2 and x.shape[0] <= SPLIT_K_MAX_ROWS and x.shape[1] % 2 == 0:
+        return torch.bmm(_halves(x), _halves(weight).transpose(1, 2))  # [2, T, in/2] x [2, in/2, out]
+    return F.linear(x, weight, bias)
+
+
+def _halves(t: torch.Tensor) -> torch.Tensor:
+    """[R, K] -> a view [2, R, K/2] of its column halves (cuBLAS reads them in place, by strides)."""
+    return t.unflatten(1, (2, -1)).transpose(0, 1)
 
 
 def linear_silu_and_mul(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ import sys
 import torch
 
 sys.path.insert(0, ".")
-from nano import triton_ops  # noqa: E402
+from nano import moe_kernels  # noqa: E402
 from nano.moe_kernels import align_pairs_by_expert, fused_moe_config  # noqa: E402
 
 E, SHARED, TOP_K, HIDDEN, LAYERS = 64, 2, 6, 2048, 26
@@ -67,10 +67,10 @@ def main():
         w = [torch.randn(E, HIDDEN, device="cuda") / 50 for _ in range(LAYERS)]
         router = []
         for block_t in (2, 4, 8, 16):
-            triton_ops.ROUTER_BLOCK_T = block_t
-            calls = [lambda x=x, w=w: triton_ops.route(x, w, TOP_K, False, 1.0, SHARED) for x, w in zip(x, w)]
+            moe_kernels.ROUTER_BLOCK_T = block_t
+            calls = [lambda x=x, w=w: moe_kernels.route(x, w, TOP_K, False, 1.0, SHARED) for x, w in zip(x, w)]
             router.append(f"{block_t} tokens a program {us_per_call(calls):.1f}")
-        ids = [triton_ops.route(x, w, TOP_K, False, 1.0, SHARED)[1] for x, w in zip(x, w)]
+        ids = [moe_kernels.route(x, w, TOP_K, False, 1.0, SHARED)[1] for x, w in zip(x, w)]
         block_m = fused_moe_config(tokens, TOP_K, E, SHARED)["BLOCK_M"]
         kernel = us_per_call([lambda i=i: align_pairs_by_expert(i, E + SHARED, block_m) for i in ids])
         torch_sort = us_per_call([lambda i=i: align_with_torch(i, E + SHARED, block_m) for i in ids])

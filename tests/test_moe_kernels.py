@@ -1,5 +1,5 @@
-"""The kernels of moe_kernels.py against torch: gate_up_matvec, down_matvec, align_pairs_by_expert
-and fused_moe_matmul; and the MoE's kernel forms against its torch form, eagerly and in a CUDA graph.
+"""The kernels of moe_kernels.py against torch: route, gate_up_matvec, down_matvec,
+align_pairs_by_expert and fused_moe_matmul; and the MoE's kernel forms against its torch form, eagerly and in a CUDA graph.
 
 Inputs are random (never zeros), fresh outputs come filled with NaN, the weights are strided views
 of stacks laid out as the MoE's are (expert_weights), and the expert ids repeat across tokens (more
@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from nano import ops
 from nano.cli import SHIPPED_CONFIGS
 from nano.config import load_config
 from nano.deepseek import MoE
@@ -26,6 +27,7 @@ from nano.moe_kernels import (
     fused_moe_config,
     fused_moe_matmul,
     gate_up_matvec,
+    route,
 )
 from tests.helpers import DEVICE, DTYPES, assert_close, gpu, nan_allocations, randn
 
@@ -66,6 +68,29 @@ def reference_down(h, down, ids, weights):
     rows = [sum(w * (down[e].float() @ h[t, j].float()) for j, (e, w) in enumerate(zip(ids[t].tolist(), weights[t])))
             for t in range(len(ids))]
     return torch.stack(rows).to(h.dtype)
+
+
+def check_route(num_tokens, hidden, num_experts, top_k, num_shared, renormalize, dtype):
+    """The router's two kernels against torch's float32 matmul, softmax, topk, the weight rule and
+    the shared experts appended. Their logits are summed in another order than torch's, so where
+    two experts nearly tie either may come first: the chosen experts' torch logits must equal the
+    best ones, in order, and the weights torch's."""
+    x = randn(num_tokens, hidden + 8, dtype=dtype)[:, :hidden]  # rows of a wider tensor
+    gate_weight = randn(num_experts, hidden, dtype=torch.float32) * 3 / hidden**0.5
+    with nan_allocations():
+        weights, ids = route(x, gate_weight, top_k, renormalize, routed_scaling=2.5, num_shared=num_shared)
+    ref_weights, ref_ids = ops.route.reference(x, gate_weight, top_k, renormalize, 2.5, num_shared)
+    assert ids.shape == (num_tokens, top_k + num_shared) and torch.equal(ids[:, top_k:], ref_ids[:, top_k:])
+    logits = F.linear(x.float(), gate_weight)
+    torch.testing.assert_close(logits.gather(1, ids[:, :top_k]), logits.gather(1, ref_ids[:, :top_k]))
+    torch.testing.assert_close(weights, ref_weights, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_tokens, hidden, num_experts, top_k, num_shared",
+                         [(5, 200, 64, 6, 2), (3, 72, 10, 3, 0), (40, 130, 64, 6, 2)])  # 40: ten token blocks
+@pytest.mark.parametrize("renormalize", [False, True], ids=["scaled", "renormalized"])
+def test_route(num_tokens, hidden, num_experts, top_k, num_shared, renormalize):
+    check_route(num_tokens, hidden, num_experts, top_k, num_shared, renormalize, torch.float16)
 
 
 def check_matvecs(num_tokens: int, slots: int, num_experts: int, inter: int, hidden: int, dtype: torch.dtype):
@@ -142,6 +167,12 @@ def test_fused_moe_matmul(num_tokens, dtype):
 V2_LITE = load_config(SHIPPED_CONFIGS / "deepseek-v2-lite")
 V2_LITE_SLOTS = V2_LITE.num_experts_per_tok + V2_LITE.n_shared_experts
 V2_LITE_EXPERTS = V2_LITE.n_routed_experts + V2_LITE.n_shared_experts
+
+
+@gpu
+@pytest.mark.parametrize("num_tokens", [1, 7, 160, 1000])
+def test_gpu_route(num_tokens):  # DeepSeek-V2-Lite's router
+    check_route(num_tokens, 2048, 64, 6, 2, renormalize=False, dtype=torch.bfloat16)
 
 
 @gpu

@@ -13,8 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from nano import ops
+from nano.moe_kernels import route
 from nano.rope import RotaryEmbedding
-from nano.triton_ops import apply_rope_, argmax, fused_add_rms_norm, linear, linear_silu_and_mul, route, silu_and_mul
+from nano.triton_ops import (SPLIT_K_MAX_ROWS, apply_rope_, argmax, fused_add_rms_norm, linear, linear_silu_and_mul,
+                             silu_and_mul)
 from tests.helpers import DEVICE, DTYPES, assert_close, gpu, nan_allocations, randn
 
 DEEPSEEK_YARN = {"rope_type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
@@ -53,6 +55,26 @@ def check_norms(num_tokens: int, hidden: int, dtype: torch.dtype, row_stride: in
     expected[:, :hidden] = alone
     assert fused_add_rms_norm(x, None, weight, eps, out=x)[0] is x
     assert torch.equal(wide, expected)
+
+
+def check_split_k(num_tokens: int, hidden: int, in_features: int, dtype: torch.dtype):
+    """A split-K linear hands on the products of in's two halves, and the residual add sums them.
+    Each half is rounded to dtype (cuBLAS may also reduce inside a half in bf16, as torch allows),
+    so their sum is held to the exact product in norm, within 2^-7 (bf16 rounds at 2^-9 on
+    average); a wrong half would be off by O(1)."""
+    x = randn(num_tokens, in_features, dtype=dtype)
+    weight = randn(hidden, in_features, dtype=dtype) / in_features**0.5
+    residual, norm_weight = randn(num_tokens, hidden, dtype=dtype), 1 + 0.1 * randn(hidden, dtype=dtype)
+    parts = linear(x, weight, split_k=True).float()  # [2, T, hidden]
+    assert parts.shape == (2, num_tokens, hidden) and linear(x[:1], weight, split_k=True).shape == (1, hidden)
+    exact = F.linear(x.double(), weight.double())
+    assert (parts.sum(0) - exact).norm() <= exact.norm() / 2**7
+    assert linear(randn(SPLIT_K_MAX_ROWS + 1, in_features, dtype=dtype), weight, split_k=True).dim() == 2  # one product
+    with nan_allocations():
+        normed, new_residual = fused_add_rms_norm(parts.to(dtype), residual, norm_weight, 1e-6)
+    ref_normed, ref_residual = ops.fused_add_rms_norm.reference(parts.to(dtype), residual, norm_weight, 1e-6)
+    assert_close(new_residual, ref_residual)
+    assert_close(normed, ref_normed)
 
 
 def check_silu_and_mul(num_tokens: int, intermediate: int, dtype: torch.dtype):
@@ -120,6 +142,11 @@ def test_norms(hidden, row_stride, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_split_k(dtype):
+    check_split_k(70, 100, 96, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("intermediate", [1536, 100])  # past one block of columns, and less than one
 def test_silu_and_mul(intermediate, dtype):
     check_silu_and_mul(3, intermediate, dtype)
@@ -155,29 +182,6 @@ def check_rope_deepseek_slices(num_tokens: int, dtype: torch.dtype, into_query: 
 @pytest.mark.parametrize("into_query", [False, True], ids=["in place", "into the query"])
 def test_rope_on_deepseek_slices(dtype, into_query):
     check_rope_deepseek_slices(5, dtype, into_query)
-
-
-def check_route(num_tokens, hidden, num_experts, top_k, num_shared, renormalize, dtype):
-    """The router's two kernels against torch's float32 matmul, softmax, topk, the weight rule and
-    the shared experts appended. Their logits are summed in another order than torch's, so where
-    two experts nearly tie either may come first: the chosen experts' torch logits must equal the
-    best ones, in order, and the weights torch's."""
-    x = randn(num_tokens, hidden + 8, dtype=dtype)[:, :hidden]  # rows of a wider tensor
-    gate_weight = randn(num_experts, hidden, dtype=torch.float32) * 3 / hidden**0.5
-    with nan_allocations():
-        weights, ids = route(x, gate_weight, top_k, renormalize, routed_scaling=2.5, num_shared=num_shared)
-    ref_weights, ref_ids = ops.route.reference(x, gate_weight, top_k, renormalize, 2.5, num_shared)
-    assert ids.shape == (num_tokens, top_k + num_shared) and torch.equal(ids[:, top_k:], ref_ids[:, top_k:])
-    logits = F.linear(x.float(), gate_weight)
-    torch.testing.assert_close(logits.gather(1, ids[:, :top_k]), logits.gather(1, ref_ids[:, :top_k]))
-    torch.testing.assert_close(weights, ref_weights, atol=1e-5, rtol=1e-4)
-
-
-@pytest.mark.parametrize("num_tokens, hidden, num_experts, top_k, num_shared",
-                         [(5, 200, 64, 6, 2), (3, 72, 10, 3, 0), (40, 130, 64, 6, 2)])  # 40: ten token blocks
-@pytest.mark.parametrize("renormalize", [False, True], ids=["scaled", "renormalized"])
-def test_route(num_tokens, hidden, num_experts, top_k, num_shared, renormalize):
-    check_route(num_tokens, hidden, num_experts, top_k, num_shared, renormalize, torch.float16)
 
 
 def check_linear(out_features: int, in_features: int, dtype: torch.dtype, bias: bool):
@@ -221,7 +225,7 @@ def test_argmax(width, dtype):
     check_argmax(3, width, dtype)
 
 
-# ---------------------------------------------------------------- GPU, Llama-3-8B sizes (the router: DeepSeek-V2-Lite), bfloat16
+# ---------------------------------------------------------------- GPU, Llama-3-8B sizes, bfloat16
 
 
 @gpu
@@ -249,9 +253,9 @@ def test_gpu_rope_on_deepseek_slices(num_tokens):
 
 
 @gpu
-@pytest.mark.parametrize("num_tokens", [1, 7, 160, 1000])
-def test_gpu_route(num_tokens):  # DeepSeek-V2-Lite's router
-    check_route(num_tokens, 2048, 64, 6, 2, renormalize=False, dtype=torch.bfloat16)
+@pytest.mark.parametrize("num_tokens, in_features", [(64, 4096), (160, 14336)])
+def test_gpu_split_k(num_tokens, in_features):  # Llama-3-8B's o_proj and down_proj
+    check_split_k(num_tokens, 4096, in_features, torch.bfloat16)
 
 
 @gpu
