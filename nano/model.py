@@ -42,7 +42,8 @@ class Linear(nn.Module):
     """y = x W^T. Several checkpoint matrices that multiply the same input may be stacked into one
     weight: `stacked` names them (their module names in the checkpoint), `output_sizes` gives their
     rows, and a bias is stacked the same way. Both are left uninitialised: the loader fills them.
-    split_k: the output goes to `add_and_norm` only, which takes partial products (ops.linear)."""
+    split_k: the output goes to `add_and_norm` only, which takes partial products (ops.linear; off
+    when tp.py splits the model, whose all-reduce would carry both)."""
 
     def __init__(self, in_features: int, output_sizes: int | list[int], dtype: torch.dtype | None = None,
                  stacked: tuple[str, ...] | None = None, bias: bool = False, split_k: bool = False):

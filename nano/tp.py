@@ -73,7 +73,7 @@ import torch.nn.functional as F
 
 from nano.config import ConfigError, ModelConfig
 from nano.forward_batch import ForwardBatch
-from nano.model import CausalLM
+from nano.model import CausalLM, Linear
 
 # ---- what each rank holds ---------------------------------------------------------------------
 # Checkpoint matrices by role (the module name before ".weight"); every other tensor is replicated.
@@ -243,6 +243,9 @@ def parallelize(model: CausalLM, group: TensorParallel):
     """Add the communication to a model built from shard_config's shapes and filled with its shards
     (loader.py), in place: an all-reduce after each block half, vocabulary-parallel embedding and
     lm_head. The model's own code stays the single-GPU code."""
+    for module in model.modules():  # the all-reduce would carry a split-K linear's two halves: twice the bytes
+        if isinstance(module, Linear):
+            module.split_k = False
     for layer in model.layers:
         for half in (layer.self_attn, layer.mlp):
             half.register_forward_hook(lambda _module, _args, partial_sum: group.all_reduce(partial_sum))

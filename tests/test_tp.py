@@ -103,6 +103,7 @@ def run(path, tp_size, prompts, monkeypatch, **engine_args):
     try:
         if tp_size > 1:
             assert [w.is_alive() for w in engine.tp.workers] == [True] * (tp_size - 1)
+            assert not any(getattr(m, "split_k", False) for m in engine.model.modules())  # one product to all-reduce
         outputs = engine.generate(prompts, SamplingParams(max_new_tokens=5, ignore_eos=True))
     finally:
         engine.close()
