@@ -7,7 +7,9 @@ patched out or changed. Removals make the tokens wrong on purpose: only the timi
     python scripts/decode_ablation.py gqa-tile=16.2.3 --bench throughput -- --model llama-3-8b --load-format dummy
 
 Variants: none (as is); no-merge (decode attention's merge kernel); no-store (the KV store);
-no-attention (store, split and merge); no-latent-norm (MLA's norm of the 512-wide latent, the
+no-attention (store, split and merge); no-rope (Llama's rope launch); no-silu (SiLU-and-mul: down
+reads the gate half of gate/up's output); no-norm (every residual add + RMSNorm launch: each layer
+hands on its input, a split-K linear's first half); no-latent-norm (MLA's norm of the 512-wide latent, the
 third program of rope's launch); no-router (DeepSeek's router, replaced by fixed expert ids);
 cublaslt-96 (linear layers of 2-96 rows through cuBLASLt instead of cuBLAS);
 cublaslt=OUTxIN@ROWS+... (the weights of those shapes at those row counts through cuBLASLt, e.g.
@@ -46,7 +48,8 @@ def _cublaslt_where(chosen):
             torch.backends.cuda.preferred_blas_library(previous)
 
     one_row_linear, one_row_gated = triton_ops.linear, triton_ops.linear_silu_and_mul
-    triton_ops.linear = lambda x, w, b=None: one_row_linear(x, w, b) if x.dim() == 2 and x.shape[0] == 1 else linear(x, w, b)
+    triton_ops.linear = lambda x, w, b=None, split_k=False: (one_row_linear(x, w, b) if x.dim() == 2 and x.shape[0] == 1
+                                                            else linear(x, w, b))
     triton_ops.linear_silu_and_mul = lambda x, w: (one_row_gated(x, w) if x.shape[0] == 1
                                                    else triton_ops.silu_and_mul(linear(x, w)))
 
@@ -64,6 +67,11 @@ def _fixed_router():
     deepseek.MoE.route = route
 
 
+def _no_norm(x, residual, weight, eps, out=None):
+    x = x[0] if x.dim() == 3 else x  # a split-K linear's first half
+    return x, x if residual is None else residual
+
+
 def apply(variant: str):
     name, _, value = variant.partition("=")
     if name in ("no-merge", "no-attention"):
@@ -72,6 +80,14 @@ def apply(variant: str):
         triton_attn._store_kv_kernel = _Skipped()
     if name == "no-attention":
         triton_attn._decode_split_kernel = _Skipped()
+    if name == "no-rope":
+        triton_ops.apply_rope_ = lambda *args, **kwargs: None
+    if name == "no-silu":  # cuBLAS's gate/up as before, then its gate half as a strided view: no launch
+        gated = triton_ops.linear_silu_and_mul
+        triton_ops.linear_silu_and_mul = lambda x, w: (gated(x, w) if x.shape[0] == 1
+                                                       else F.linear(x, w)[:, : w.shape[0] // 2])
+    if name == "no-norm":
+        triton_ops.fused_add_rms_norm = _no_norm
     if name == "no-latent-norm":  # rope's launch without its third program
         rope = triton_ops.apply_rope_
         triton_ops.apply_rope_ = lambda q, k, cos_sin, positions, q_out=None, norm=None: rope(q, k, cos_sin,
@@ -88,7 +104,7 @@ def apply(variant: str):
         tile, config = tuple(int(v) for v in value.split(".")), triton_attn._decode_config
         triton_attn._decode_config = lambda k_dim: (*tile, 8) if k_dim <= 128 else config(k_dim)
         triton_attn.SHORT_TILE = tile  # for every request
-    if name not in ("none", "no-merge", "no-store", "no-attention", "no-latent-norm", "no-router", "cublaslt-96",
+    if name not in ("none", "no-merge", "no-store", "no-attention", "no-rope", "no-silu", "no-norm", "no-latent-norm", "no-router", "cublaslt-96",
                     "cublaslt", "gqa-tile"):
         sys.exit(f"unknown variant {variant!r}")
 
