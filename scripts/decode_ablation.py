@@ -10,9 +10,9 @@ H200: the sampled ids left the vocabulary.
 
 Variants: none (as is); no-merge (decode attention's merge kernel); no-store (the KV store);
 no-attention (store, split and merge); no-rope (Llama's rope launch); no-silu (SiLU-and-mul: down
-reads the gate half of gate/up's output); no-norm (every residual add + RMSNorm launch: each layer
-hands on its input, a split-K linear's first half); no-latent-norm (MLA's norm of the 512-wide latent, the
-third program of rope's launch); no-router (DeepSeek's router, replaced by fixed expert ids);
+reads the gate half of gate/up's output); no-norm (every residual add + RMSNorm launch: a norm
+hands on its input, of a split-K linear the first half); no-latent-norm (MLA's norm of the
+512-wide latent, the third program of rope's launch); no-router (DeepSeek's router, replaced by fixed expert ids);
 cublaslt-96 (linear layers of 2-96 rows through cuBLASLt instead of cuBLAS);
 cublaslt=OUTxIN@ROWS+... (the weights of those shapes at those row counts through cuBLASLt, e.g.
 cublaslt=4096x4096@160); gqa-tile=BLOCK_N.WARPS.STAGES (decode attention's tile for 128-wide
@@ -106,8 +106,8 @@ def apply(variant: str):
         tile, config = tuple(int(v) for v in value.split(".")), triton_attn._decode_config
         triton_attn._decode_config = lambda k_dim: (*tile, 8) if k_dim <= 128 else config(k_dim)
         triton_attn.SHORT_TILE = tile  # for every request
-    if name not in ("none", "no-merge", "no-store", "no-attention", "no-rope", "no-silu", "no-norm", "no-latent-norm", "no-router", "cublaslt-96",
-                    "cublaslt", "gqa-tile"):
+    if name not in ("none", "no-merge", "no-store", "no-attention", "no-rope", "no-silu", "no-norm", "no-latent-norm",
+                    "no-router", "cublaslt-96", "cublaslt", "gqa-tile"):
         sys.exit(f"unknown variant {variant!r}")
 
 
