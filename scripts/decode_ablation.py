@@ -12,11 +12,11 @@ Variants: none (as is); no-merge (decode attention's merge kernel); no-store (th
 no-attention (store, split and merge); no-rope (Llama's rope launch); no-silu (SiLU-and-mul: down
 reads the gate half of gate/up's output); no-norm (every residual add + RMSNorm launch: a norm
 hands on its input, of a split-K linear the first half); no-latent-norm (MLA's norm of the
-512-wide latent, the third program of rope's launch); no-router (DeepSeek's router, replaced by fixed expert ids);
-cublaslt-96 (linear layers of 2-96 rows through cuBLASLt instead of cuBLAS);
+512-wide latent, the third program of rope's launch); no-router (DeepSeek's router, replaced by
+fixed expert ids); cublaslt-96 (linear layers of 2-96 rows through cuBLASLt instead of cuBLAS);
 cublaslt=OUTxIN@ROWS+... (the weights of those shapes at those row counts through cuBLASLt, e.g.
 cublaslt=4096x4096@160); gqa-tile=BLOCK_N.WARPS.STAGES (decode attention's tile for 128-wide
-heads, every batch size). Run on a GPU (BENCHMARKS.md, fifth and tenth rounds).
+heads, every batch size). Run on a GPU (BENCHMARKS.md, fifth, tenth and fourteenth rounds).
 """
 
 import importlib
