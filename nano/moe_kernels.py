@@ -169,10 +169,9 @@ def _route_kernel(partial_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, nu
 
 def route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool, routed_scaling: float,
           num_shared: int = 0):
-    """A MoE router in two launches (torch takes about ten: the float32 cast, the matmul, softmax, a
-    sort and a gather for topk, the rescale, the two appends): x [T, hidden], gate_weight [E, hidden]
-    -> (weights [T, k + num_shared] float32, expert ids [T, k + num_shared] int64), best first, then
-    the shared experts. See ops.route for the rule."""
+    """The MoE router in two launches (the lesson above says how): x [T, hidden], gate_weight
+    [E, hidden] -> (weights [T, k + num_shared] float32, expert ids [T, k + num_shared] int64), best
+    first, then the shared experts. See ops.route for the rule."""
     (num_tokens, hidden), num_experts = x.shape, gate_weight.shape[0]
     assert x.stride(-1) == 1 and gate_weight.is_contiguous() and gate_weight.shape[1] == hidden
     num_chunks, slots = triton.cdiv(hidden, ROUTER_BLOCK_H), top_k + num_shared
