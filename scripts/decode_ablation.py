@@ -1,6 +1,6 @@
 """What would removing a launch, or changing a kernel choice, save in a real decode step? Runs
-`nano.bench_latency` (or `--bench throughput`: `nano.bench_throughput`) with parts of the step
-patched out or changed. Removals make the tokens wrong on purpose: only the timings mean anything.
+`nano.bench_latency` (or `--bench throughput`: `nano.bench_throughput`; `--bench profile`:
+scripts/profile_decode.py) with parts of the step patched out or changed. Removals make the tokens wrong on purpose: only the timings mean anything.
 Several removals at once (no-store,no-rope,no-silu,no-norm) ended in a device-side assert on an
 H200: the sampled ids left the vocabulary.
 
@@ -119,7 +119,11 @@ def main():
     for variant in variants:
         apply(variant)
     print(f"variants: {', '.join(variants)}", flush=True)
-    importlib.import_module(f"nano.bench_{bench}").main(bench_args)
+    if bench == "profile":  # profile_decode.py beside this file, with the arguments after "--"
+        sys.argv = ["profile_decode.py", *bench_args]
+        importlib.import_module("profile_decode").main()
+    else:
+        importlib.import_module(f"nano.bench_{bench}").main(bench_args)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,14 @@
 """Where a decode step's time goes: GPU kernels (torch profiler, CUDA graphs included) and the
 host's share of the step. Usage: python scripts/profile_decode.py MODEL_SHAPE [BATCH_SIZE] [TP_SIZE]
-(with tensor parallelism the profile is rank 0's)"""
+(with tensor parallelism the profile is rank 0's). Then the same kernels by the kernel before each:
+how long each ran, and the gap between the end of the one before and its start (negative: it
+started before that one ended, as programmatic dependent launch lets it). Run on a GPU
+(BENCHMARKS.md, fifteenth round)."""
 
+import collections
+import json
 import sys
+import tempfile
 import time
 
 import torch
@@ -48,7 +54,27 @@ def main():
         for _ in range(5):
             engine.step()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
+    print_gaps(prof, steps=5)
     engine.close()
+
+
+def print_gaps(prof, steps: int, host_gap_us: float = 50.0):
+    """Kernel pairs in stream order (before -> kernel): launches a step, mean duration and mean gap in us.
+    Gaps over host_gap_us are the host's time between steps, left out."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as trace:
+        prof.export_chrome_trace(trace.name)
+        events = json.load(open(trace.name))["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    pairs = collections.defaultdict(list)  # (before, kernel) -> [(duration, gap)]
+    for before, kernel in zip(kernels, kernels[1:]):
+        gap = kernel["ts"] - (before["ts"] + before["dur"])
+        if gap < host_gap_us:
+            pairs[(before["name"][:45], kernel["name"][:45])].append((kernel["dur"], gap))
+    print(f"{'kernel before':45} {'kernel':45} {'a step':>7} {'dur us':>7} {'gap us':>7} {'ms a step':>9}")
+    for (before, kernel), runs in sorted(pairs.items(), key=lambda item: -sum(d + g for d, g in item[1])):
+        duration, gap = (sum(r[i] for r in runs) / len(runs) for i in (0, 1))
+        print(f"{before:45} {kernel:45} {len(runs) / steps:7.1f} {duration:7.2f} {gap:7.2f} "
+              f"{len(runs) * (duration + gap) / steps / 1e3:9.3f}")
 
 
 if __name__ == "__main__":  # tp > 1 spawns ranks, which import this file
