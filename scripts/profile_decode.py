@@ -2,8 +2,11 @@
 host's share of the step. Usage: python scripts/profile_decode.py MODEL_SHAPE [BATCH_SIZE] [TP_SIZE]
 (with tensor parallelism the profile is rank 0's). Then the same kernels by the kernel before each:
 how long each ran, and the gap between the end of the one before and its start (negative: it
-started before that one ended, as programmatic dependent launch lets it). Run on a GPU
-(BENCHMARKS.md, fifteenth round)."""
+started before that one ended, as programmatic dependent launch lets it). And, on one GPU, a
+decode step's GPU time by part, from CUDA events recorded between the parts as the engine runs:
+the batch's copies to the device, the copies into the graph's buffers, the replay, sampling and
+the copy back, and the wait for the host before the next step. Run on a GPU (BENCHMARKS.md,
+fifteenth round)."""
 
 import collections
 import json
@@ -29,7 +32,7 @@ def main():
     g = torch.Generator().manual_seed(0)
     for _ in range(bs):  # distinct prompts, as bench_latency's: one shared prompt would be one cached prefix
         prompt = torch.randint(10, engine.cfg.vocab_size, (128,), generator=g).tolist()  # whose KV sits in L2
-        engine.add_request(prompt, SamplingParams(max_new_tokens=40, ignore_eos=True))
+        engine.add_request(prompt, SamplingParams(max_new_tokens=64, ignore_eos=True))
     engine.step()  # prefill
     for _ in range(5):
         engine.step()
@@ -49,6 +52,8 @@ def main():
         end.record(); torch.cuda.synchronize()
         line += f"; graph replay alone {start.elapsed_time(end) / 20:.3f} ms"
     print(line)
+    if tp == 1:
+        print_step_parts(engine)
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
@@ -58,18 +63,55 @@ def main():
     engine.close()
 
 
+def print_step_parts(engine, steps: int = 20):
+    """Mean GPU time of each part of a decode step (see the docstring), from events recorded between them."""
+    marks, runner = [], engine.graph_runner
+    launch, fill, sampling = engine._launch_decode, runner.inputs.fill, engine._launch_sampling
+
+    def mark(name):  # the part that starts here
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        marks.append((name, event))
+
+    def marked(before, call, after=None):
+        def wrapper(*args):
+            mark(before)
+            out = call(*args)
+            if after:
+                mark(after)
+            return out
+        return wrapper
+
+    engine._launch_decode = marked("the batch's copies, the table's row", launch, "waiting for the host")
+    runner.inputs.fill = marked("copies into the graph's buffers", fill, "the graph's replay")
+    engine._launch_sampling = marked("sampling, the copy back", sampling)
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    engine._launch_decode, runner.inputs.fill, engine._launch_sampling = launch, fill, sampling
+    totals, counts = collections.defaultdict(float), collections.Counter()
+    for (name, start), (_, end) in zip(marks, marks[1:]):  # a part lasts until the next mark
+        totals[name] += start.elapsed_time(end)
+        counts[name] += 1
+    for name, ms in totals.items():
+        print(f"{name:40} {ms / counts[name] * 1e3:8.1f} us")
+
+
 def print_gaps(prof, steps: int, host_gap_us: float = 50.0):
     """Kernel pairs in stream order (before -> kernel): launches a step, mean duration and mean gap in us.
-    Gaps over host_gap_us are the host's time between steps, left out."""
+    Gaps over host_gap_us (the GPU waiting for the host) are listed apart."""
     with tempfile.NamedTemporaryFile(suffix=".json") as trace:
         prof.export_chrome_trace(trace.name)
         events = json.load(open(trace.name))["traceEvents"]
     kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
-    pairs = collections.defaultdict(list)  # (before, kernel) -> [(duration, gap)]
+    pairs, long_gaps = collections.defaultdict(list), []  # (before, kernel) -> [(duration, gap)]
     for before, kernel in zip(kernels, kernels[1:]):
         gap = kernel["ts"] - (before["ts"] + before["dur"])
         if gap < host_gap_us:
             pairs[(before["name"][:45], kernel["name"][:45])].append((kernel["dur"], gap))
+        else:
+            long_gaps.append(f"{before['name'][:30]} -> {kernel['name'][:30]} {gap:.0f} us")
+    print(f"gaps over {host_gap_us:.0f} us, left out below: {len(long_gaps) / steps:.1f} a step: {long_gaps[:8]}")
     print(f"{'kernel before':45} {'kernel':45} {'a step':>7} {'dur us':>7} {'gap us':>7} {'ms a step':>9}")
     for (before, kernel), runs in sorted(pairs.items(), key=lambda item: -sum(d + g for d, g in item[1])):
         duration, gap = (sum(r[i] for r in runs) / len(runs) for i in (0, 1))
