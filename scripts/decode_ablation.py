@@ -1,6 +1,7 @@
 """What would removing a launch, or changing a kernel choice, save in a real decode step? Runs
 `nano.bench_latency` (or `--bench throughput`: `nano.bench_throughput`; `--bench profile`:
-scripts/profile_decode.py) with parts of the step patched out or changed. Removals make the tokens wrong on purpose: only the timings mean anything.
+scripts/profile_decode.py) with parts of the step patched out or changed. Removals make the tokens
+wrong on purpose: only the timings mean anything.
 Several removals at once (no-store,no-rope,no-silu,no-norm) ended in a device-side assert on an
 H200: the sampled ids left the vocabulary.
 

@@ -102,7 +102,8 @@ def print_gaps(prof, steps: int, host_gap_us: float = 50.0):
     Gaps over host_gap_us (the GPU waiting for the host) are listed apart."""
     with tempfile.NamedTemporaryFile(suffix=".json") as trace:
         prof.export_chrome_trace(trace.name)
-        events = json.load(open(trace.name))["traceEvents"]
+        with open(trace.name) as f:
+            events = json.load(f)["traceEvents"]
     kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
     pairs, long_gaps = collections.defaultdict(list), []  # (before, kernel) -> [(duration, gap)]
     for before, kernel in zip(kernels, kernels[1:]):
