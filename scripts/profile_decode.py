@@ -5,8 +5,9 @@ how long each ran, and the gap between the end of the one before and its start (
 started before that one ended, as programmatic dependent launch lets it). And, on one GPU, a
 decode step's GPU time by part, from CUDA events recorded between the parts as the engine runs:
 the batch's copies to the device, the copies into the graph's buffers, the replay, sampling and
-the copy back, and the wait for the host before the next step. Run on a GPU (BENCHMARKS.md,
-fifteenth round)."""
+the copy back, and the wait for the host before the next step. And the longest kernels' launch
+shapes: a grid of fewer programs than multiprocessors leaves some idle. Run on a GPU (BENCHMARKS.md,
+fifteenth and sixteenth rounds)."""
 
 import collections
 import json
@@ -112,12 +113,27 @@ def print_gaps(prof, steps: int, host_gap_us: float = 50.0):
             pairs[(before["name"][:45], kernel["name"][:45])].append((kernel["dur"], gap))
         else:
             long_gaps.append(f"{before['name'][:30]} -> {kernel['name'][:30]} {gap:.0f} us")
+    print_launches(kernels, steps)
     print(f"gaps over {host_gap_us:.0f} us, left out below: {len(long_gaps) / steps:.1f} a step: {long_gaps[:8]}")
     print(f"{'kernel before':45} {'kernel':45} {'a step':>7} {'dur us':>7} {'gap us':>7} {'ms a step':>9}")
     for (before, kernel), runs in sorted(pairs.items(), key=lambda item: -sum(d + g for d, g in item[1])):
         duration, gap = (sum(r[i] for r in runs) / len(runs) for i in (0, 1))
         print(f"{before:45} {kernel:45} {len(runs) / steps:7.1f} {duration:7.2f} {gap:7.2f} "
               f"{len(runs) * (duration + gap) / steps / 1e3:9.3f}")
+
+
+def print_launches(kernels: list[dict], steps: int, top: int = 12):
+    """The longest kernels' launch shapes, from the trace: a grid of fewer programs than the GPU has
+    multiprocessors ("blocks per SM" under 1, one program a multiprocessor) leaves some of them idle."""
+    by_name = collections.defaultdict(list)
+    for k in kernels:
+        by_name[k["name"]].append(k)
+    print(f"{'kernel':60} {'us a step':>9}  grid, block, shared memory, registers, blocks per SM, occupancy")
+    for name, runs in sorted(by_name.items(), key=lambda item: -sum(k["dur"] for k in item[1]))[:top]:
+        args = runs[0].get("args", {})
+        shape = [args.get(key) for key in ("grid", "block", "shared memory", "registers per thread", "blocks per SM",
+                                           "est. achieved occupancy %")]
+        print(f"{name[:60]:60} {sum(k['dur'] for k in runs) / steps:9.1f}  {shape}")
 
 
 if __name__ == "__main__":  # tp > 1 spawns ranks, which import this file
