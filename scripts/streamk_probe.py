@@ -11,7 +11,7 @@ the end backwards, so the partials it waits for are the first thing the programs
 
 The weight's rows are the MMA's long side and the batch its short side (160 rows: a 128-row and a
 32-row block, nothing padded to 256). Usage: `python scripts/streamk_probe.py check` (the interpreter
-on CPU, against torch) or `python scripts/streamk_probe.py [ROWS ...]` on a GPU.
+on CPU, against torch) or `python scripts/streamk_probe.py [ROWS ...] [--shapes qkv,o,gate_up,down]` on a GPU.
 """
 
 import itertools
@@ -21,26 +21,24 @@ import sys
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 
 @triton.jit
-def _mac(acc1, acc2, w_ptr, x_ptr, w_rows, x_rows1, x_rows2, k_first, k_last, K, stride_w, stride_x, M,
-         BK: tl.constexpr, HAS_X2: tl.constexpr):
-    """acc1 [BW, BX1] (+ acc2 [BW, BX2]) += w[w_rows, k] x[x_rows, k]^T over K steps [k_first, k_last)."""
-    ks = tl.arange(0, BK)
+def _mac(acc1, acc2, w_desc, x1_desc, x2_desc, w_row, k_first, k_last,
+         BK: tl.constexpr, BX1: tl.constexpr, HAS_X2: tl.constexpr):
+    """acc1 [BW, BX1] (+ acc2 [BW, BX2]) += w[w_row:w_row + BW, k] x[:, k]^T over K steps [k_first, k_last),
+    every tile loaded by the tensor memory accelerator (rows past the tensor read as zeros)."""
     for step in range(k_first, k_last):
-        k = step * BK + ks
-        w = tl.load(w_ptr + w_rows[:, None] * stride_w + k[None, :])                              # [BW, BK]
-        x1 = tl.load(x_ptr + x_rows1[:, None] * stride_x + k[None, :], mask=x_rows1[:, None] < M, other=0.0)
-        acc1 = tl.dot(w, tl.trans(x1), acc1)                                                      # [BW, BX1]
+        w = w_desc.load([w_row, step * BK])                                  # [BW, BK]
+        acc1 = tl.dot(w, x1_desc.load([0, step * BK]).T, acc1)              # [BW, BX1]
         if HAS_X2:
-            x2 = tl.load(x_ptr + x_rows2[:, None] * stride_x + k[None, :], mask=x_rows2[:, None] < M, other=0.0)
-            acc2 = tl.dot(w, tl.trans(x2), acc2)
+            acc2 = tl.dot(w, x2_desc.load([BX1, step * BK]).T, acc2)        # [BW, BX2]
     return acc1, acc2
 
 
 @triton.jit
-def streamk_kernel(x_ptr, w_ptr, out_ptr, part_ptr, flag_ptr, M, N, K, stride_x, stride_w, stride_o,
+def streamk_kernel(x1_desc, x2_desc, w_desc, out_ptr, part_ptr, flag_ptr, M, N, K, stride_o,
                    BW: tl.constexpr, BK: tl.constexpr, BX1: tl.constexpr, BX2: tl.constexpr, HAS_X2: tl.constexpr):
     """out [M, N] = x [M, K] w [N, K]^T; grid (P,). part [P, BW, BX1 + BX2] float32, flag [P] int32 (zeros)."""
     pid, num_programs = tl.program_id(0), tl.num_programs(0)
@@ -56,8 +54,7 @@ def streamk_kernel(x_ptr, w_ptr, out_ptr, part_ptr, flag_ptr, M, N, K, stride_x,
         w_rows = tile * BW + tl.arange(0, BW)
         acc1 = tl.zeros([BW, BX1], dtype=tl.float32)
         acc2 = tl.zeros([BW, BX2], dtype=tl.float32)
-        acc1, acc2 = _mac(acc1, acc2, w_ptr, x_ptr, w_rows, x_rows1, x_rows2, k_first, k_last, K, stride_w, stride_x,
-                          M, BK, HAS_X2)
+        acc1, acc2 = _mac(acc1, acc2, w_desc, x1_desc, x2_desc, tile * BW, k_first, k_last, BK, BX1, HAS_X2)
         rows = tl.arange(0, BW)
         if k_last < steps_per_tile:  # another program ends this tile: hand it the partial sum
             part = part_ptr + pid * BW * (BX1 + BX2) + rows[:, None] * (BX1 + BX2)
@@ -104,8 +101,9 @@ class StreamK:
         (m, k), n = x.shape, w.shape[0]
         assert n % self.bw == 0 and k % self.bk == 0
         bx1, bx2 = batch_blocks(m)
-        streamk_kernel[(self.programs,)](x, w, out, self.part, self.flag, m, n, k, x.stride(0), w.stride(0),
-                                         out.stride(0), BW=self.bw, BK=self.bk, BX1=bx1, BX2=max(bx2, 16),
+        x1, x2 = (TensorDescriptor.from_tensor(x, [rows, self.bk]) for rows in (bx1, max(bx2, 16)))
+        streamk_kernel[(self.programs,)](x1, x2, TensorDescriptor.from_tensor(w, [self.bw, self.bk]), out, self.part,
+                                         self.flag, m, n, k, out.stride(0), BW=self.bw, BK=self.bk, BX1=bx1, BX2=max(bx2, 16),
                                          HAS_X2=bx2 > 0, num_warps=self.warps, num_stages=self.stages)
 
 
@@ -122,14 +120,14 @@ def check():
         print(f"M={m} N={n} K={k} programs={programs} BW={bw}: ok", flush=True)
 
 
-def main(row_counts: list[int]):
+def main(row_counts: list[int], shapes: list[str]):
     sys.path.insert(0, os.path.dirname(__file__))
     from matmul_probe import LLAMA_SHAPES, cold_weights, report, time_per_call, torch_matmul
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    configs = [(p, bw, bk, warps, stages) for p, bw, bk, warps, stages in itertools.product(
-        [sms, 2 * sms], [64, 128], [64, 128], [4, 8], [3, 4]) if not (bw == 128 and warps == 4)]
+    configs = [(sms, bw, bk, warps, stages) for (bw, warps), bk, stages in itertools.product(
+        [(64, 4), (128, 8), (256, 8), (256, 16)], [64, 128], [3, 4, 5])]
     torch.manual_seed(0)
-    for name, (n, k) in LLAMA_SHAPES.items():
+    for name, (n, k) in ((name, LLAMA_SHAPES[name]) for name in shapes):
         weights, nbytes = cold_weights(n, k), n * k * 2
         for m in row_counts:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -154,4 +152,5 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["check"]:
         check()
     else:
-        main([int(a) for a in sys.argv[1:]] or [64, 128, 160])
+        shapes = sys.argv[sys.argv.index("--shapes") + 1].split(",") if "--shapes" in sys.argv else ["qkv", "o", "gate_up", "down"]
+        main([int(a) for a in sys.argv[1:] if a.isdigit()] or [64, 128, 160], shapes)
