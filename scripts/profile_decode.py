@@ -10,6 +10,7 @@ shapes: a grid of fewer programs than multiprocessors leaves some idle. Run on a
 fifteenth and sixteenth rounds)."""
 
 import collections
+import itertools
 import json
 import sys
 import tempfile
@@ -60,7 +61,9 @@ def main():
         for _ in range(5):
             engine.step()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
-    print_gaps(prof, steps=5)
+    kernels = trace_kernels(prof)
+    print_launches(kernels, steps=5)
+    print_gaps(kernels, steps=5)
     engine.close()
 
 
@@ -91,29 +94,32 @@ def print_step_parts(engine, steps: int = 20):
     torch.cuda.synchronize()
     engine._launch_decode, runner.inputs.fill, engine._launch_sampling = launch, fill, sampling
     totals, counts = collections.defaultdict(float), collections.Counter()
-    for (name, start), (_, end) in zip(marks, marks[1:]):  # a part lasts until the next mark
+    for (name, start), (_, end) in itertools.pairwise(marks):  # a part lasts until the next mark
         totals[name] += start.elapsed_time(end)
         counts[name] += 1
     for name, ms in totals.items():
         print(f"{name:40} {ms / counts[name] * 1e3:8.1f} us")
 
 
-def print_gaps(prof, steps: int, host_gap_us: float = 50.0):
-    """Kernel pairs in stream order (before -> kernel): launches a step, mean duration and mean gap in us.
-    Gaps over host_gap_us (the GPU waiting for the host) are listed apart."""
+def trace_kernels(prof) -> list[dict]:
+    """The profile's kernel events (name, start, duration, launch shape), in stream order."""
     with tempfile.NamedTemporaryFile(suffix=".json") as trace:
         prof.export_chrome_trace(trace.name)
         with open(trace.name) as f:
             events = json.load(f)["traceEvents"]
-    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    return sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+
+
+def print_gaps(kernels: list[dict], steps: int, host_gap_us: float = 50.0):
+    """Kernel pairs in stream order (before -> kernel): launches a step, mean duration and mean gap in us.
+    Gaps over host_gap_us (the GPU waiting for the host) are listed apart."""
     pairs, long_gaps = collections.defaultdict(list), []  # (before, kernel) -> [(duration, gap)]
-    for before, kernel in zip(kernels, kernels[1:]):
+    for before, kernel in itertools.pairwise(kernels):
         gap = kernel["ts"] - (before["ts"] + before["dur"])
         if gap < host_gap_us:
             pairs[(before["name"][:45], kernel["name"][:45])].append((kernel["dur"], gap))
         else:
             long_gaps.append(f"{before['name'][:30]} -> {kernel['name'][:30]} {gap:.0f} us")
-    print_launches(kernels, steps)
     print(f"gaps over {host_gap_us:.0f} us, left out below: {len(long_gaps) / steps:.1f} a step: {long_gaps[:8]}")
     print(f"{'kernel before':45} {'kernel':45} {'a step':>7} {'dur us':>7} {'gap us':>7} {'ms a step':>9}")
     for (before, kernel), runs in sorted(pairs.items(), key=lambda item: -sum(d + g for d, g in item[1])):

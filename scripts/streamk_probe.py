@@ -45,8 +45,7 @@ def streamk_kernel(x1_desc, x2_desc, w_desc, out_ptr, part_ptr, flag_ptr, M, N, 
     steps_per_tile = K // BK
     total = (N // BW) * steps_per_tile
     start, it = pid * total // num_programs, (pid + 1) * total // num_programs
-    x_rows1, x_rows2 = tl.arange(0, BX1), BX1 + tl.arange(0, BX2)
-    cols1, cols2 = tl.arange(0, BX1), BX1 + tl.arange(0, BX2)
+    x_rows1, x_rows2 = tl.arange(0, BX1), BX1 + tl.arange(0, BX2)  # also the partial sums' columns
     while it > start:  # this program's segments, last first
         tile = (it - 1) // steps_per_tile
         first = tl.maximum(start, tile * steps_per_tile)
@@ -58,9 +57,9 @@ def streamk_kernel(x1_desc, x2_desc, w_desc, out_ptr, part_ptr, flag_ptr, M, N, 
         rows = tl.arange(0, BW)
         if k_last < steps_per_tile:  # another program ends this tile: hand it the partial sum
             part = part_ptr + pid * BW * (BX1 + BX2) + rows[:, None] * (BX1 + BX2)
-            tl.store(part + cols1[None, :], acc1)
+            tl.store(part + x_rows1[None, :], acc1)
             if HAS_X2:
-                tl.store(part + cols2[None, :], acc2)
+                tl.store(part + x_rows2[None, :], acc2)
             tl.debug_barrier()  # every thread's stores before the flag
             tl.atomic_xchg(flag_ptr + pid, 1, sem="release")
         else:
@@ -72,9 +71,9 @@ def streamk_kernel(x1_desc, x2_desc, w_desc, out_ptr, part_ptr, flag_ptr, M, N, 
                         pass
                     tl.debug_barrier()
                     part = part_ptr + q * BW * (BX1 + BX2) + rows[:, None] * (BX1 + BX2)
-                    acc1 += tl.load(part + cols1[None, :], cache_modifier=".cg")
+                    acc1 += tl.load(part + x_rows1[None, :], cache_modifier=".cg")
                     if HAS_X2:
-                        acc2 += tl.load(part + cols2[None, :], cache_modifier=".cg")
+                        acc2 += tl.load(part + x_rows2[None, :], cache_modifier=".cg")
                     tl.atomic_xchg(flag_ptr + q, 0)  # ready for the next call
                 covered = tl.maximum(q_start, tile * steps_per_tile) - tile * steps_per_tile
                 q -= 1
@@ -85,10 +84,11 @@ def streamk_kernel(x1_desc, x2_desc, w_desc, out_ptr, part_ptr, flag_ptr, M, N, 
         it = first
 
 
-def batch_blocks(m: int) -> tuple[int, int]:
-    """The batch's rows as a block of at most 128 and a second block for the rest (0: none)."""
+def batch_blocks(m: int) -> tuple[int, int, bool]:
+    """The batch's rows as a block of at most 128 and a second block for the rest -> (first block,
+    second block, whether the second has rows): without any, a 16-row block stands in, unused."""
     bx1 = min(128, max(16, triton.next_power_of_2(m)))
-    return bx1, (max(16, triton.next_power_of_2(m - bx1)) if m > bx1 else 0)
+    return bx1, max(16, triton.next_power_of_2(m - bx1)), m > bx1
 
 
 class StreamK:
@@ -100,11 +100,11 @@ class StreamK:
     def __call__(self, x, w, out):
         (m, k), n = x.shape, w.shape[0]
         assert n % self.bw == 0 and k % self.bk == 0
-        bx1, bx2 = batch_blocks(m)
-        x1, x2 = (TensorDescriptor.from_tensor(x, [rows, self.bk]) for rows in (bx1, max(bx2, 16)))
+        bx1, bx2, has_x2 = batch_blocks(m)
+        x1, x2 = (TensorDescriptor.from_tensor(x, [rows, self.bk]) for rows in (bx1, bx2))
         streamk_kernel[(self.programs,)](x1, x2, TensorDescriptor.from_tensor(w, [self.bw, self.bk]), out, self.part,
-                                         self.flag, m, n, k, out.stride(0), BW=self.bw, BK=self.bk, BX1=bx1, BX2=max(bx2, 16),
-                                         HAS_X2=bx2 > 0, num_warps=self.warps, num_stages=self.stages)
+                                         self.flag, m, n, k, out.stride(0), BW=self.bw, BK=self.bk, BX1=bx1, BX2=bx2,
+                                         HAS_X2=has_x2, num_warps=self.warps, num_stages=self.stages)
 
 
 def check():
