@@ -10,16 +10,20 @@ H200: the sampled ids left the vocabulary.
     python scripts/decode_ablation.py gqa-tile=16.2.3 --bench throughput -- --model llama-3-8b --load-format dummy
 
 Variants: none (as is); no-merge (decode attention's merge kernel); no-store (the KV store);
-no-attention (store, split and merge); no-rope (Llama's rope launch); no-silu (SiLU-and-mul: down
-reads the gate half of gate/up's output); no-norm (every residual add + RMSNorm launch: a norm
-hands on its input, of a split-K linear the first half); no-latent-norm (MLA's norm of the
-512-wide latent, the third program of rope's launch); no-router (DeepSeek's router, replaced by
-fixed expert ids); cublaslt-96 (linear layers of 2-96 rows through cuBLASLt instead of cuBLAS);
-cublaslt=OUTxIN@ROWS+... (the weights of those shapes at those row counts through cuBLASLt, e.g.
-cublaslt=4096x4096@160); gqa-tile=BLOCK_N.WARPS.STAGES (decode attention's tile for 128-wide
+no-attention (store, split and merge); no-long (decode attention's launch for requests over 256
+tokens, empty in a batch of shorter ones, whose tokens stay right); no-rope (Llama's rope launch);
+no-silu (SiLU-and-mul: down reads the gate half of gate/up's output); no-norm (every residual add +
+RMSNorm launch: a norm hands on its input, of a split-K linear the first half); no-latent-norm
+(MLA's norm of the 512-wide latent, the third program of rope's launch); no-router (DeepSeek's
+router, replaced by fixed expert ids); cublaslt-96 (linear layers of 2-96 rows through cuBLASLt
+instead of cuBLAS); cublaslt=OUTxIN@ROWS+... (the weights of those shapes at those row counts
+through cuBLASLt, e.g. cublaslt=4096x4096@160); lt-fastest (gate/up and lm_head through the fastest
+of the kernels cuBLASLt's heuristic lists, timed at each row count's first call:
+scripts/cublaslt_probe.py); gqa-tile=BLOCK_N.WARPS.STAGES (decode attention's tile for 128-wide
 heads, every batch size). Run on a GPU (BENCHMARKS.md, fifth, tenth and fourteenth rounds).
 """
 
+import ctypes
 import importlib
 import sys
 
@@ -39,6 +43,17 @@ class _Skipped:
         return lambda *args, **kwargs: None
 
 
+class _ShortOnly:
+    """Decode stage 1 without the long requests' launch, which a batch of short requests leaves empty."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+        return lambda *args, **kwargs: None if args[10] == triton_attn.SHORT_CONTEXT else launch(*args, **kwargs)
+
+
 def _cublaslt_where(chosen):
     """Linears for which chosen(rows, weight shape) is true run in cuBLASLt, the others in cuBLAS."""
     def linear(x, weight, bias=None):
@@ -55,6 +70,51 @@ def _cublaslt_where(chosen):
                                                             else linear(x, w, b))
     triton_ops.linear_silu_and_mul = lambda x, w: (one_row_gated(x, w) if x.shape[0] == 1
                                                    else triton_ops.silu_and_mul(linear(x, w)))
+
+
+def _lt_fastest():
+    """gate/up and lm_head at 2+ rows through the fastest of cuBLASLt's candidates, chosen by CUDA
+    events around ten eager calls each, at the first call of each (rows, weight shape)."""
+    import cublaslt_probe as probe
+
+    lt, handle, chosen = probe.load_cublaslt(), ctypes.c_void_p(), {}
+    probe.check(lt.cublasLtCreate(ctypes.byref(handle)), "create")
+    workspace = torch.empty(probe.WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
+
+    def fastest(x, weight):
+        problem = probe.Problem(lt, handle, x.shape[0], weight.shape[0], weight.shape[1], w_as_m=True)
+        out, timed = torch.empty(x.shape[0], weight.shape[0], device=x.device, dtype=x.dtype), []
+        for heuristic in problem.heuristics(16):
+            run = problem.runner(heuristic, workspace)
+            try:
+                run(x, weight, out)
+            except RuntimeError:  # a candidate that fails to run is not a candidate
+                continue
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(10):
+                run(x, weight, out)
+            end.record()
+            torch.cuda.synchronize()
+            timed.append((start.elapsed_time(end), len(timed), run))
+        best = min(timed)
+        print(f"lt-fastest: rows {x.shape[0]}, weight {tuple(weight.shape)}: candidate #{best[1]} of {len(timed)}, "
+              f"{best[0] * 100:.1f} us against the first's {timed[0][0] * 100:.1f}", flush=True)
+        return best[2]
+
+    def linear(x, weight):
+        key = (x.shape[0], *weight.shape)
+        if key not in chosen:  # the eager warm-up before capture comes here first
+            chosen[key] = fastest(x, weight)
+        out = torch.empty(x.shape[0], weight.shape[0], device=x.device, dtype=x.dtype)
+        chosen[key](x, weight, out)
+        return out
+
+    one_row_linear, one_row_gated = triton_ops.linear, triton_ops.linear_silu_and_mul
+    triton_ops.linear_silu_and_mul = lambda x, w: (one_row_gated(x, w) if x.shape[0] == 1
+                                                   else triton_ops.silu_and_mul(linear(x, w)))
+    triton_ops.linear = lambda x, w, b=None, split_k=False: (linear(x, w) if w.shape[0] > 100_000 and x.dim() == 2
+                                                            and x.shape[0] > 1 else one_row_linear(x, w, b, split_k))
 
 
 def _fixed_router():
@@ -83,6 +143,8 @@ def apply(variant: str):
         triton_attn._store_kv_kernel = _Skipped()
     if name == "no-attention":
         triton_attn._decode_split_kernel = _Skipped()
+    if name == "no-long":
+        triton_attn._decode_split_kernel = _ShortOnly(triton_attn._decode_split_kernel)
     if name == "no-rope":
         triton_ops.apply_rope_ = lambda *args, **kwargs: None
     if name == "no-silu":  # cuBLAS's gate/up as before, then its gate half as a strided view: no launch
@@ -103,12 +165,14 @@ def apply(variant: str):
         pairs = {(int(rows), *(int(n) for n in shape.split("x"))) for shape, rows in
                  (pair.split("@") for pair in value.split("+"))}
         _cublaslt_where(lambda rows, shape: (rows, *shape) in pairs)
+    if name == "lt-fastest":
+        _lt_fastest()
     if name == "gqa-tile":
         tile, config = tuple(int(v) for v in value.split(".")), triton_attn._decode_config
         triton_attn._decode_config = lambda k_dim: (*tile, 8) if k_dim <= 128 else config(k_dim)
         triton_attn.SHORT_TILE = tile  # for every request
-    if name not in ("none", "no-merge", "no-store", "no-attention", "no-rope", "no-silu", "no-norm", "no-latent-norm",
-                    "no-router", "cublaslt-96", "cublaslt", "gqa-tile"):
+    if name not in ("none", "no-merge", "no-store", "no-attention", "no-long", "no-rope", "no-silu", "no-norm",
+                    "no-latent-norm", "no-router", "cublaslt-96", "cublaslt", "lt-fastest", "gqa-tile"):
         sys.exit(f"unknown variant {variant!r}")
 
 
