@@ -5,7 +5,8 @@ waves (programs over what the GPU runs at once). The question: at 160 rows cuBLA
 cuBLASLt have a kernel that fills them and runs faster? torch asks cuBLASLt for its first pick only.
 Two orientations of the same product: "w-as-m" is torch's (the weight's rows are the GEMM's M, the
 output [T, N]); "w-as-n" swaps them (the batch is M, the output [N, T], transposed).
-cuBLASLt is called through ctypes on the library torch has loaded; nothing is compiled.
+cuBLASLt is called through ctypes on the library torch has loaded; nothing is compiled. On an H200
+no listed kernel beats cuBLAS's pick at 160 rows (BENCHMARKS.md, seventeenth round).
 
     python scripts/cublaslt_probe.py [ROWS ...] [--shapes qkv,gate_up,lm_head] [--count 32] [--forms m,n]
 """

@@ -20,7 +20,8 @@ instead of cuBLAS); cublaslt=OUTxIN@ROWS+... (the weights of those shapes at tho
 through cuBLASLt, e.g. cublaslt=4096x4096@160); lt-fastest (gate/up and lm_head through the fastest
 of the kernels cuBLASLt's heuristic lists, timed at each row count's first call:
 scripts/cublaslt_probe.py); gqa-tile=BLOCK_N.WARPS.STAGES (decode attention's tile for 128-wide
-heads, every batch size). Run on a GPU (BENCHMARKS.md, fifth, tenth and fourteenth rounds).
+heads, every batch size). Run on a GPU (BENCHMARKS.md, fifth, tenth, fourteenth and seventeenth
+rounds).
 """
 
 import ctypes
@@ -51,6 +52,7 @@ class _ShortOnly:
 
     def __getitem__(self, grid):
         launch = self.kernel[grid]
+        # args[10] is the launch's `longer_than`: SHORT_CONTEXT marks the long requests' launch
         return lambda *args, **kwargs: None if args[10] == triton_attn.SHORT_CONTEXT else launch(*args, **kwargs)
 
 

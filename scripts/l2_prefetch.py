@@ -14,7 +14,8 @@ Variants: none; o (o_proj's weight, from the start of attention: during q/k/v, r
 and decode attention); down=MB (the first MB megabytes of down_proj's weight, from the start of the
 MLP: during gate/up and SiLU-and-mul); policy=last|normal (the eviction priority the fetched lines
 get, evict_last unless set); rows=N (prefetch only in passes of at least N rows, 2 unless set).
-Run on a GPU.
+Run on a GPU. On an H200 every variant made the step slower or no faster: the fetch slows the
+matmuls it runs beside more than it speeds up its own (BENCHMARKS.md, seventeenth round).
 """
 
 import importlib
