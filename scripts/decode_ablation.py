@@ -178,13 +178,15 @@ def apply(variant: str):
         sys.exit(f"unknown variant {variant!r}")
 
 
-def main():
+def main(apply_variant=apply):
+    """VARIANT[,VARIANT...] [--bench BENCH] -- BENCH_ARGS; apply_variant takes one variant (l2_prefetch.py
+    brings its own)."""
     split = sys.argv.index("--")
     options, bench_args = sys.argv[1:split], sys.argv[split + 1:]
     bench = options[options.index("--bench") + 1] if "--bench" in options else "latency"
     variants = options[0].split(",")
     for variant in variants:
-        apply(variant)
+        apply_variant(variant)
     print(f"variants: {', '.join(variants)}", flush=True)
     if bench == "profile":  # profile_decode.py beside this file, with the arguments after "--"
         sys.argv = ["profile_decode.py", *bench_args]

@@ -18,7 +18,6 @@ Run on a GPU. On an H200 every variant made the step slower or no faster: the fe
 matmuls it runs beside more than it speeds up its own (BENCHMARKS.md, seventeenth round).
 """
 
-import importlib
 import sys
 
 import torch
@@ -26,6 +25,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, ".")
+import decode_ablation  # noqa: E402
 import nano.model as model  # noqa: E402
 
 LINE, LINES_PER_PROGRAM = 128, 1024
@@ -98,27 +98,21 @@ def patch():
     model.LlamaAttention.forward, model.SwiGLU.forward, model.Linear.forward = attention, swiglu, linear
 
 
+def apply(variant: str):
+    name, _, value = variant.partition("=")
+    if name == "o":
+        settings["o"] = True
+    elif name in ("down", "rows"):
+        settings[name] = int(value)
+    elif name == "policy":
+        settings["policy"] = value
+    elif name != "none":
+        sys.exit(f"unknown variant {variant!r}")
+
+
 def main():
-    split = sys.argv.index("--")
-    options, bench_args = sys.argv[1:split], sys.argv[split + 1:]
-    bench = options[options.index("--bench") + 1] if "--bench" in options else "latency"
-    for variant in options[0].split(","):
-        name, _, value = variant.partition("=")
-        if name == "o":
-            settings["o"] = True
-        elif name in ("down", "rows"):
-            settings[name] = int(value)
-        elif name == "policy":
-            settings["policy"] = value
-        elif name != "none":
-            sys.exit(f"unknown variant {variant!r}")
-    patch()
-    print(f"l2 prefetch: {settings}", flush=True)
-    if bench == "profile":
-        sys.argv = ["profile_decode.py", *bench_args]
-        importlib.import_module("profile_decode").main()
-    else:
-        importlib.import_module(f"nano.bench_{bench}").main(bench_args)
+    patch()  # the patched forwards read `settings` as each pass runs: the variants set it first
+    decode_ablation.main(apply)
 
 
 if __name__ == "__main__":
