@@ -70,7 +70,7 @@ LOG2E = 1.4426950408889634
 # matmul that cannot start early. From 2 requests the matmul pays (an H200: BENCHMARKS.md).
 PROJECT_IN_MERGE_MAX_BATCH, PROJECTION_ROWS = 1, 16
 # In a batch that fills the GPU, requests of up to SHORT_CONTEXT tokens get SHORT_TILE (tokens, warps, stages):
-# many such programs share a multiprocessor, which one 128-token tile's 192 KB of stages fills (BENCHMARKS.md).
+# many such programs (13 KB of shared memory each) share a multiprocessor, where 128-token tiles fit three.
 SHORT_CONTEXT, SHORT_TILE = 256, (16, 2, 3)
 
 
@@ -205,9 +205,9 @@ def _decode_config(k_dim: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, num_warps, num_stages, programs per multiprocessor) for decode stage 1: the
     fastest of those tried on an H200 (scripts/bench_attention.py, scripts/tune_mla_decode.py,
     scripts/tune_gqa_decode.py)."""
-    # Each stage holds a K and a V tile in shared memory (at most about 227 KB): 128 tokens of
-    # 128-wide heads, 3 deep, is 192 KB; 192-wide keys take 64 tokens to fit; MLA's 576-wide rows
-    # take 32 tokens (16 or 64 measured slower).
+    # Shared memory (about 227 KB a multiprocessor) holds the pipelined K and V tiles: as Triton
+    # compiles them, 128 tokens of 128-wide heads take 74 KB a program, and MLA's 32 tokens of
+    # 576-wide rows 89 KB (16 or 64 tokens measured slower); 192-wide keys run 64-token tiles.
     # The last number sizes the split cap (`split_cap`): the batch's programs should fill the GPU.
     # A program streams its tokens tile after dependent tile (slot, then K, then V), so 128-wide
     # heads aim at 8 programs per multiprocessor: several waves, where a partial last wave costs
