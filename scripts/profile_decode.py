@@ -130,16 +130,17 @@ def print_gaps(kernels: list[dict], steps: int, host_gap_us: float = 50.0):
 
 def print_launches(kernels: list[dict], steps: int, top: int = 12):
     """The longest kernels' launch shapes, from the trace: a grid of fewer programs than the GPU has
-    multiprocessors ("blocks per SM" under 1, one program a multiprocessor) leaves some of them idle."""
-    by_name = collections.defaultdict(list)
+    multiprocessors ("blocks per SM" under 1, one program a multiprocessor) leaves some of them idle.
+    One row per kernel and shape: a kernel launched with two configurations (decode attention's short
+    and long requests' tiles) gets two."""
+    keys = ("grid", "block", "shared memory", "registers per thread", "blocks per SM", "est. achieved occupancy %")
+    by_launch = collections.defaultdict(list)
     for k in kernels:
-        by_name[k["name"]].append(k)
+        args = k.get("args", {})
+        by_launch[k["name"], str([args.get(key) for key in keys])].append(k["dur"])
     print(f"{'kernel':60} {'us a step':>9}  grid, block, shared memory, registers, blocks per SM, occupancy")
-    for name, runs in sorted(by_name.items(), key=lambda item: -sum(k["dur"] for k in item[1]))[:top]:
-        args = runs[0].get("args", {})
-        shape = [args.get(key) for key in ("grid", "block", "shared memory", "registers per thread", "blocks per SM",
-                                           "est. achieved occupancy %")]
-        print(f"{name[:60]:60} {sum(k['dur'] for k in runs) / steps:9.1f}  {shape}")
+    for (name, shape), durations in sorted(by_launch.items(), key=lambda item: -sum(item[1]))[:top]:
+        print(f"{name[:60]:60} {sum(durations) / steps:9.1f}  {shape}")
 
 
 if __name__ == "__main__":  # tp > 1 spawns ranks, which import this file
