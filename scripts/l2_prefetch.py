@@ -33,10 +33,10 @@ settings = {"o": False, "down": 0, "policy": "last", "rows": 2}
 
 
 @triton.jit
-def _prefetch_kernel(base, num_lines, LINES: tl.constexpr, ASM: tl.constexpr):
-    """Each program asks the L2 for LINES 128-byte lines of `base` (bytes); nothing comes back."""
+def _prefetch_kernel(base, num_lines, LINE: tl.constexpr, LINES: tl.constexpr, ASM: tl.constexpr):
+    """Each program asks the L2 for LINES lines of LINE bytes of `base` (bytes); nothing comes back."""
     lines = tl.program_id(0) * LINES + tl.arange(0, LINES)
-    addresses = base + tl.minimum(lines, num_lines - 1).to(tl.int64) * 128
+    addresses = base + tl.minimum(lines, num_lines - 1).to(tl.int64) * LINE
     tl.inline_asm_elementwise(ASM, "=r,l", [addresses], dtype=tl.int32, is_pure=False, pack=1)
 
 
@@ -44,7 +44,7 @@ def prefetch(weight: torch.Tensor, max_bytes: int | None = None):
     raw = weight.view(-1).view(torch.uint8)
     lines = min(raw.numel(), max_bytes or raw.numel()) // LINE
     asm = f"prefetch.global.L2::evict_{settings['policy']} [$1]; mov.u32 $0, 0;"
-    _prefetch_kernel[(triton.cdiv(lines, LINES_PER_PROGRAM),)](raw, lines, LINES=LINES_PER_PROGRAM, ASM=asm,
+    _prefetch_kernel[(triton.cdiv(lines, LINES_PER_PROGRAM),)](raw, lines, LINE=LINE, LINES=LINES_PER_PROGRAM, ASM=asm,
                                                              num_warps=4)
 
 
