@@ -11,17 +11,21 @@ H200: the sampled ids left the vocabulary.
 
 Variants: none (as is); no-merge (decode attention's merge kernel); no-store (the KV store);
 no-attention (store, split and merge); no-long (decode attention's launch for requests over 256
-tokens, empty in a batch of shorter ones, whose tokens stay right); no-rope (Llama's rope launch);
-no-silu (SiLU-and-mul: down reads the gate half of gate/up's output); no-norm (every residual add +
-RMSNorm launch: a norm hands on its input, of a split-K linear the first half); no-latent-norm
+tokens, empty in a batch of shorter ones, whose tokens stay right); long-aside (that launch on a
+second stream, beside the short requests' launch); residual-in-matmul (no norm launches in the
+layers, each residual add as cuBLAS's beta = 1 on o_proj and down_proj, whose weights are scaled
+by 1/64 so the stream stays in bf16's range: what folding the norms into the matmuls could save at
+most); no-rope (Llama's rope launch); no-silu (SiLU-and-mul: down reads the gate half of gate/up's
+output); no-norm (every residual add + RMSNorm launch: a norm hands on its input, of a split-K
+linear the first half); no-latent-norm
 (MLA's norm of the 512-wide latent, the third program of rope's launch); no-router (DeepSeek's
 router, replaced by fixed expert ids); cublaslt-96 (linear layers of 2-96 rows through cuBLASLt
 instead of cuBLAS); cublaslt=OUTxIN@ROWS+... (the weights of those shapes at those row counts
 through cuBLASLt, e.g. cublaslt=4096x4096@160); lt-fastest (gate/up and lm_head through the fastest
 of the kernels cuBLASLt's heuristic lists, timed at each row count's first call:
 scripts/cublaslt_probe.py); gqa-tile=BLOCK_N.WARPS.STAGES (decode attention's tile for 128-wide
-heads, every batch size). Run on a GPU (BENCHMARKS.md, fifth, tenth, fourteenth and seventeenth
-rounds).
+heads, every batch size). Run on a GPU (BENCHMARKS.md, fifth, tenth, fourteenth, seventeenth and
+eighteenth rounds).
 """
 
 import ctypes
@@ -33,6 +37,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, ".")
 import nano.deepseek as deepseek  # noqa: E402
+import nano.model as model  # noqa: E402
+import nano.ops as ops  # noqa: E402
 import nano.triton_attn as triton_attn  # noqa: E402
 import nano.triton_ops as triton_ops  # noqa: E402
 
@@ -54,6 +60,30 @@ class _ShortOnly:
         launch = self.kernel[grid]
         # args[10] is the launch's `longer_than`: SHORT_CONTEXT marks the long requests' launch
         return lambda *args, **kwargs: None if args[10] == triton_attn.SHORT_CONTEXT else launch(*args, **kwargs)
+
+
+class _LongAside:
+    """Decode stage 1's long requests' launch on a second CUDA stream, beside the short requests'
+    launch: forked after the KV store, joined after the short launch (a graph records both edges)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.stream = kernel, None
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            main = torch.cuda.current_stream()
+            if args[10] != triton_attn.SHORT_CONTEXT:  # not the long launch: as is, then join
+                launch(*args, **kwargs)
+                if self.stream is not None and args[11] == triton_attn.SHORT_CONTEXT:
+                    main.wait_stream(self.stream)
+                return
+            self.stream = self.stream or torch.cuda.Stream()
+            self.stream.wait_stream(main)
+            with torch.cuda.stream(self.stream):
+                launch(*args, **kwargs)
+        return run
 
 
 def _cublaslt_where(chosen):
@@ -137,6 +167,31 @@ def _no_norm(x, residual, weight, eps, out=None):
     return x, x if residual is None else residual
 
 
+def _residual_in_matmul():
+    """An upper bound on folding each RMSNorm into the matmul after it (its weight into the matmul's
+    columns, 1/rms into the kernel after the matmul): no norm launches in the layers, and each residual add
+    done by cuBLAS as the matmul's beta = 1 (o_proj and down_proj without their split-K halves). The
+    1/rms scaling is left out, so the tokens are wrong."""
+    stream = [None]  # the residual stream that the next split-K linear adds its product to
+    scaled = set()
+
+    def linear_forward(self, x):
+        if self.split_k and x.shape[0] > 1:
+            if id(self) not in scaled:  # at the first (eager) call: without its norms the stream overflowed bf16
+                self.weight.mul_(1 / 64)
+                scaled.add(id(self))
+            return torch.addmm(stream[0], x, self.weight.t())
+        return ops.linear(x, self.weight, self.bias)
+
+    def layer_forward(self, x, residual, batch, attn):
+        stream[0] = x
+        stream[0] = self.self_attn(x, batch, attn)
+        h = self.mlp(stream[0])
+        return h, h  # the final norm adds them: its rms is the same
+
+    model.Linear.forward, model.DecoderLayer.forward = linear_forward, layer_forward
+
+
 def apply(variant: str):
     name, _, value = variant.partition("=")
     if name in ("no-merge", "no-attention"):
@@ -147,6 +202,10 @@ def apply(variant: str):
         triton_attn._decode_split_kernel = _Skipped()
     if name == "no-long":
         triton_attn._decode_split_kernel = _ShortOnly(triton_attn._decode_split_kernel)
+    if name == "residual-in-matmul":
+        _residual_in_matmul()
+    if name == "long-aside":
+        triton_attn._decode_split_kernel = _LongAside(triton_attn._decode_split_kernel)
     if name == "no-rope":
         triton_ops.apply_rope_ = lambda *args, **kwargs: None
     if name == "no-silu":  # cuBLAS's gate/up as before, then its gate half as a strided view: no launch
@@ -173,7 +232,8 @@ def apply(variant: str):
         tile, config = tuple(int(v) for v in value.split(".")), triton_attn._decode_config
         triton_attn._decode_config = lambda k_dim: (*tile, 8) if k_dim <= 128 else config(k_dim)
         triton_attn.SHORT_TILE = tile  # for every request
-    if name not in ("none", "no-merge", "no-store", "no-attention", "no-long", "no-rope", "no-silu", "no-norm",
+    if name not in ("none", "no-merge", "no-store", "no-attention", "no-long", "long-aside", "residual-in-matmul",
+                    "no-rope", "no-silu", "no-norm",
                     "no-latent-norm", "no-router", "cublaslt-96", "cublaslt", "lt-fastest", "gqa-tile"):
         sys.exit(f"unknown variant {variant!r}")
 
