@@ -13,19 +13,18 @@ Variants: none (as is); no-merge (decode attention's merge kernel); no-store (th
 no-attention (store, split and merge); no-long (decode attention's launch for requests over 256
 tokens, empty in a batch of shorter ones, whose tokens stay right); long-aside (that launch on a
 second stream, beside the short requests' launch); residual-in-matmul (no norm launches in the
-layers, each residual add as cuBLAS's beta = 1 on o_proj and down_proj, whose weights are scaled
-by 1/64 so the stream stays in bf16's range: what folding the norms into the matmuls could save at
+layers, each residual add as cuBLAS's beta = 1 on o_proj and down_proj, whose weights are scaled by
+1/64 so the stream stays in bf16's range: what folding the norms into the matmuls could save at
 most); no-rope (Llama's rope launch); no-silu (SiLU-and-mul: down reads the gate half of gate/up's
 output); no-norm (every residual add + RMSNorm launch: a norm hands on its input, of a split-K
-linear the first half); no-latent-norm
-(MLA's norm of the 512-wide latent, the third program of rope's launch); no-router (DeepSeek's
-router, replaced by fixed expert ids); cublaslt-96 (linear layers of 2-96 rows through cuBLASLt
-instead of cuBLAS); cublaslt=OUTxIN@ROWS+... (the weights of those shapes at those row counts
-through cuBLASLt, e.g. cublaslt=4096x4096@160); lt-fastest (gate/up and lm_head through the fastest
-of the kernels cuBLASLt's heuristic lists, timed at each row count's first call:
-scripts/cublaslt_probe.py); gqa-tile=BLOCK_N.WARPS.STAGES (decode attention's tile for 128-wide
-heads, every batch size). Run on a GPU (BENCHMARKS.md, fifth, tenth, fourteenth, seventeenth and
-eighteenth rounds).
+linear the first half); no-latent-norm (MLA's norm of the 512-wide latent, the third program of
+rope's launch); no-router (DeepSeek's router, replaced by fixed expert ids); cublaslt-96 (linear
+layers of 2-96 rows through cuBLASLt instead of cuBLAS); cublaslt=OUTxIN@ROWS+... (the weights of
+those shapes at those row counts through cuBLASLt, e.g. cublaslt=4096x4096@160); lt-fastest (gate/up
+and lm_head through the fastest of the kernels cuBLASLt's heuristic lists, timed at each row count's
+first call: scripts/cublaslt_probe.py); gqa-tile=BLOCK_N.WARPS.STAGES (decode attention's tile for
+128-wide heads, every batch size). Run on a GPU (BENCHMARKS.md, fifth, tenth, fourteenth,
+seventeenth and eighteenth rounds).
 """
 
 import ctypes
@@ -168,11 +167,11 @@ def _no_norm(x, residual, weight, eps, out=None):
 
 
 def _residual_in_matmul():
-    """An upper bound on folding each RMSNorm into the matmul after it (its weight into the matmul's
-    columns, 1/rms into the kernel after the matmul): no norm launches in the layers, and each residual add
-    done by cuBLAS as the matmul's beta = 1 (o_proj and down_proj without their split-K halves). The
-    1/rms scaling is left out, so the tokens are wrong."""
-    stream = [None]  # the residual stream that the next split-K linear adds its product to
+    """An upper bound on folding each RMSNorm into the matmul after it (its weight into the
+    matmul's columns, 1/rms into the kernel after the matmul): no norm launches in the layers, and
+    each residual add done by cuBLAS as the matmul's beta = 1 (o_proj and down_proj without their
+    split-K halves). The 1/rms scaling is left out, so the tokens are wrong."""
+    residual_stream = [None]  # what the next split-K linear adds its product to
     scaled = set()
 
     def linear_forward(self, x):
@@ -180,13 +179,13 @@ def _residual_in_matmul():
             if id(self) not in scaled:  # at the first (eager) call: without its norms the stream overflowed bf16
                 self.weight.mul_(1 / 64)
                 scaled.add(id(self))
-            return torch.addmm(stream[0], x, self.weight.t())
+            return torch.addmm(residual_stream[0], x, self.weight.t())
         return ops.linear(x, self.weight, self.bias)
 
     def layer_forward(self, x, residual, batch, attn):
-        stream[0] = x
-        stream[0] = self.self_attn(x, batch, attn)
-        h = self.mlp(stream[0])
+        residual_stream[0] = x
+        residual_stream[0] = self.self_attn(x, batch, attn)
+        h = self.mlp(residual_stream[0])
         return h, h  # the final norm adds them: its rms is the same
 
     model.Linear.forward, model.DecoderLayer.forward = linear_forward, layer_forward
@@ -233,8 +232,8 @@ def apply(variant: str):
         triton_attn._decode_config = lambda k_dim: (*tile, 8) if k_dim <= 128 else config(k_dim)
         triton_attn.SHORT_TILE = tile  # for every request
     if name not in ("none", "no-merge", "no-store", "no-attention", "no-long", "long-aside", "residual-in-matmul",
-                    "no-rope", "no-silu", "no-norm",
-                    "no-latent-norm", "no-router", "cublaslt-96", "cublaslt", "lt-fastest", "gqa-tile"):
+                    "no-rope", "no-silu", "no-norm", "no-latent-norm", "no-router", "cublaslt-96", "cublaslt",
+                    "lt-fastest", "gqa-tile"):
         sys.exit(f"unknown variant {variant!r}")
 
 
