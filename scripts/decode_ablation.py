@@ -37,7 +37,6 @@ import torch.nn.functional as F
 sys.path.insert(0, ".")
 import nano.deepseek as deepseek  # noqa: E402
 import nano.model as model  # noqa: E402
-import nano.ops as ops  # noqa: E402
 import nano.triton_attn as triton_attn  # noqa: E402
 import nano.triton_ops as triton_ops  # noqa: E402
 
@@ -61,27 +60,42 @@ class _ShortOnly:
         return lambda *args, **kwargs: None if args[10] == triton_attn.SHORT_CONTEXT else launch(*args, **kwargs)
 
 
+class SideStream:
+    """Fork a piece of work off the current stream; join it later (in a CUDA graph too)."""
+
+    def __init__(self):
+        self.stream, self.forked = None, False
+
+    def fork(self, work):
+        self.stream = self.stream or torch.cuda.Stream()
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            work()
+        self.forked = True
+
+    def join(self):
+        if self.forked:
+            torch.cuda.current_stream().wait_stream(self.stream)
+            self.forked = False
+
+
 class _LongAside:
     """Decode stage 1's long requests' launch on a second CUDA stream, beside the short requests'
     launch: forked after the KV store, joined after the short launch (a graph records both edges)."""
 
     def __init__(self, kernel):
-        self.kernel, self.stream = kernel, None
+        self.kernel, self.side = kernel, SideStream()
 
     def __getitem__(self, grid):
         launch = self.kernel[grid]
 
         def run(*args, **kwargs):
-            main = torch.cuda.current_stream()
-            if args[10] != triton_attn.SHORT_CONTEXT:  # not the long launch: as is, then join
-                launch(*args, **kwargs)
-                if self.stream is not None and args[11] == triton_attn.SHORT_CONTEXT:
-                    main.wait_stream(self.stream)
+            if args[10] == triton_attn.SHORT_CONTEXT:  # `longer_than`: the long requests' launch
+                self.side.fork(lambda: launch(*args, **kwargs))
                 return
-            self.stream = self.stream or torch.cuda.Stream()
-            self.stream.wait_stream(main)
-            with torch.cuda.stream(self.stream):
-                launch(*args, **kwargs)
+            launch(*args, **kwargs)
+            if args[11] == triton_attn.SHORT_CONTEXT:  # `up_to`: the short requests' launch, the last
+                self.side.join()
         return run
 
 
@@ -172,7 +186,7 @@ def _residual_in_matmul():
     each residual add done by cuBLAS as the matmul's beta = 1 (o_proj and down_proj without their
     split-K halves). The 1/rms scaling is left out, so the tokens are wrong."""
     residual_stream = [None]  # what the next split-K linear adds its product to
-    scaled = set()
+    scaled, plain_forward = set(), model.Linear.forward
 
     def linear_forward(self, x):
         if self.split_k and x.shape[0] > 1:
@@ -180,7 +194,7 @@ def _residual_in_matmul():
                 self.weight.mul_(1 / 64)
                 scaled.add(id(self))
             return torch.addmm(residual_stream[0], x, self.weight.t())
-        return ops.linear(x, self.weight, self.bias)
+        return plain_forward(self, x)
 
     def layer_forward(self, x, residual, batch, attn):
         residual_stream[0] = x

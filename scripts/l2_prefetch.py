@@ -48,26 +48,7 @@ def prefetch(weight: torch.Tensor, max_bytes: int | None = None):
                                                              num_warps=4)
 
 
-class SideStream:
-    """Fork a piece of work off the current stream; join it later (in a CUDA graph too)."""
-
-    def __init__(self):
-        self.stream, self.forked = None, False
-
-    def fork(self, work):
-        self.stream = self.stream or torch.cuda.Stream()
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            work()
-        self.forked = True
-
-    def join(self):
-        if self.forked:
-            torch.cuda.current_stream().wait_stream(self.stream)
-            self.forked = False
-
-
-side = SideStream()
+side = decode_ablation.SideStream()
 
 
 def _wanted(x) -> bool:
