@@ -6,8 +6,8 @@ one of its matmuls at ROWS rows over three copies of the weight. ncu picks the l
     ncu --clock-control none --set full -k regex:nvjet --launch-skip 1 --launch-count 1 \\
         python scripts/ncu_decode.py gate_up 160
 Like attention_cases.py it uses the nano/ of the directory it runs in (BENCHMARKS.md, nineteenth
-round). `--clock-control none` leaves the GPU's clocks as they run, and the ncu of the machines
-here reads hardware counters only under that setting (and only on Firecracker machines)."""
+round). `--clock-control none` leaves the GPU's clocks as they run, rather than locking them for
+the profile: a kernel is measured at the clocks a decode step sees."""
 
 import os
 import sys
