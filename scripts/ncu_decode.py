@@ -18,13 +18,13 @@ import torch.nn.functional as F
 sys.path.insert(0, os.getcwd())
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from scripts.bench_attention import LLAMA_3_8B  # noqa: E402
+from scripts.matmul_probe import LLAMA_SHAPES  # noqa: E402
 
 from nano.config import parse_config  # noqa: E402
 from nano.forward_batch import ForwardBatch  # noqa: E402
 from nano.kv_cache import KVPool  # noqa: E402
 from nano.triton_attn import TritonAttnBackend  # noqa: E402
 
-WEIGHTS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # [N, K]
 LAYERS = 4
 
 
@@ -50,8 +50,9 @@ def main():
     if what == "attention":
         attention(size, int(sys.argv[3]), sys.argv[4:] == ["seq"])
     else:
-        x = torch.randn(size, WEIGHTS[what][1], dtype=torch.bfloat16, device="cuda")
-        for weight in [torch.randn(*WEIGHTS[what], dtype=torch.bfloat16, device="cuda") for _ in range(3)]:
+        n, k = LLAMA_SHAPES[what]  # [out, in]
+        x = torch.randn(size, k, dtype=torch.bfloat16, device="cuda")
+        for weight in [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(3)]:
             F.linear(x, weight)
     torch.cuda.synchronize()
 
