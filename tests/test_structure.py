@@ -1,8 +1,10 @@
 """The shape the code promises its readers (README: an afternoon): no function longer than a
 screen, no module past 450 lines, and no import circle among nano's modules, counting the
-imports made inside functions."""
+imports made inside functions; and the list of bugs planted to show that the tests can fail
+still fits the code."""
 
 import ast
+import importlib.util
 from pathlib import Path
 
 MODULES = {path.stem: ast.parse(path.read_text()) for path in (Path(__file__).parent.parent / "nano").glob("*.py")}
@@ -89,3 +91,20 @@ def test_every_kernel_waits_for_its_inputs_before_touching_them():
     launches = [ast.unparse(n) for tree in MODULES.values() for n in ast.walk(tree)
                 if isinstance(n, ast.Call) and isinstance(n.func, ast.Subscript) and ast.unparse(n.func.value).endswith("_kernel")]
     assert len(launches) == len(kernels) and all("launch_pdl=PDL" in launch for launch in launches)
+
+
+def test_planted_bugs_still_apply():
+    """scripts/planted_bugs.py plants each bug by one text substitution and names the tests that must
+    catch it. Code that moves leaves its substitution matching nothing, and the script stops at that
+    bug after minutes of tests; here it shows in CI instead."""
+    root = Path(__file__).parent.parent
+    spec = importlib.util.spec_from_file_location("planted_bugs", root / "scripts" / "planted_bugs.py")
+    planted_bugs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(planted_bugs)
+    assert len(planted_bugs.BUGS) >= 35
+    for bug in planted_bugs.BUGS:
+        assert (root / bug.path).read_text().count(bug.old) == 1, f"{bug.name}: its text is gone from {bug.path}"
+        for test in bug.tests:
+            path, _, name = test.split("[")[0].partition("::")  # a whole file, or one test in it
+            assert (root / path).is_file() and (not name or f"def {name}(" in (root / path).read_text()), \
+                f"{bug.name}: no test {test}"
