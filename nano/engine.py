@@ -267,7 +267,7 @@ class Engine:
         retraction has them already) -> (the rows, where each request's rows end in the logits)."""
         rows, ends, start = [], [], 0
         for req, n in chunks:
-            wants_all = req.params.prompt_logprobs and not req.output_ids
+            wants_all = req.wants_prompt_logprobs
             rows += range(start, start + n) if wants_all else [start + n - 1]
             ends.append(len(rows))
             start += n
@@ -277,7 +277,7 @@ class Engine:
         """Each prompt token's logprob, from the logits of the position before it, for the requests whose
         rows the pass kept (chunk by chunk; the last row predicts the sampled token, booked with it)."""
         for (req, n), end in zip(chunks, ends):
-            if not (req.params.prompt_logprobs and not req.output_ids):
+            if not req.wants_prompt_logprobs:
                 continue
             first = req.prefilled  # rows first..first+n-1 predict tokens first+1..first+n
             count = min(n, len(req.prompt_ids) - 1 - first)

@@ -90,6 +90,12 @@ class Request:
         return self.prompt_ids + self.output_ids
 
     @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether its next admission computes every prompt token for their logprobs: only the first
+        (after a retraction it has them already, and finds its prompt in the prefix cache)."""
+        return self.params.prompt_logprobs and not self.output_ids
+
+    @property
     def kv_len(self) -> int:
         """Tokens whose K/V its row holds, as the host has booked them: what was prefilled, then
         one more per decode step (the last sampled token has none yet)."""
@@ -122,7 +128,7 @@ class Scheduler:
     def expected_need(self, req: Request) -> int:
         """Slots req is expected to take from now on: what it has still to fill, and its share of
         the tokens it may generate."""
-        unfilled = 0 if req.status is Status.RUNNING else len(req.fill_ids) - req.prefilled
+        unfilled = 0 if req.status is Status.RUNNING else req.num_tokens - req.prefilled
         return unfilled + math.ceil(self.new_token_ratio * min(req.remaining, ESTIMATE_CLIP))
 
     def wants_prefill(self) -> bool:
@@ -138,7 +144,7 @@ class Scheduler:
             return []
         budget, chunks = self.prefill_budget, []
         if self.chunked:  # the running requests' own growth may have taken its room: then it waits
-            n = min(len(self.chunked.fill_ids) - self.chunked.prefilled, budget, self.free_room)
+            n = min(self.chunked.num_tokens - self.chunked.prefilled, budget, self.free_room)
             chunks = [(self.chunked, n)] if n > 0 else []
             budget -= n
         committed = sum(self.expected_need(r) for r in self.running + [r for r, _ in chunks])
@@ -146,7 +152,7 @@ class Scheduler:
             req = self.waiting[0]
             if self._computed_in(chunks, req) or not self._admit(req):
                 break
-            extend = len(req.fill_ids) - req.cached_len
+            extend = req.num_tokens - req.cached_len
             if self.chunking:
                 extend = min(extend, budget)
             need = self.expected_need(req)
@@ -156,9 +162,9 @@ class Scheduler:
                 break
             self.waiting.popleft()
             if req.output_ids:  # admitted again after a retraction: what it computes again
-                self.stats["recomputed_tokens"] += len(req.fill_ids) - req.cached_len
+                self.stats["recomputed_tokens"] += req.num_tokens - req.cached_len
             else:
-                self.stats["prefill_tokens"] += len(req.fill_ids)
+                self.stats["prefill_tokens"] += req.num_tokens
                 self.stats["cached_tokens"] += req.cached_len
             chunks.append((req, extend))
             committed += need
@@ -169,19 +175,19 @@ class Scheduler:
         """Whether this pass computes the start of req's prompt for another request (n samples of one
         prompt arrive together): then req waits a step and finds it in the prefix cache."""
         head = req.fill_ids[:SHARED_HEAD]
-        return (self.prefix_cache is not None and len(head) == SHARED_HEAD and not req.params.prompt_logprobs
+        return (self.prefix_cache is not None and len(head) == SHARED_HEAD and not req.wants_prompt_logprobs
                 and any(r.cached_len < SHARED_HEAD and r.fill_ids[:SHARED_HEAD] == head for r, _ in chunks))
 
     def _admit(self, req: Request) -> bool:
         """Give req a row that starts with the slots of the longest cached prefix of what it fills,
         locked while it runs. The last token is always computed: the pass must produce its logits;
-        a request that asks for its prompt's logprobs computes every token (an empty match)."""
+        a request that asks for its prompt's logprobs computes every token (an empty match) the first time."""
         row = self.req_to_token_pool.alloc()
         if row is None:
             return False
         req.row, req.cached_len, req.status = row, 0, Status.PREFILLING
         if self.prefix_cache is not None:
-            slots, req.prefix_node = self.prefix_cache.match(req.fill_ids[: 0 if req.params.prompt_logprobs else -1])
+            slots, req.prefix_node = self.prefix_cache.match(req.fill_ids[: 0 if req.wants_prompt_logprobs else -1])
             self.prefix_cache.lock(req.prefix_node)
             self.req_to_token_pool.req_to_token[row, : len(slots)] = slots
             req.cached_len = len(slots)
@@ -193,8 +199,8 @@ class Scheduler:
         and run); a prompt still part-way stays chunked and owes the running requests a decode."""
         for req, n in chunks:
             req.prefilled += n
-        done = [r for r, _ in chunks if r.prefilled == len(r.fill_ids)]
-        self.chunked = next((r for r, _ in chunks if r.prefilled < len(r.fill_ids)), None)
+        done = [r for r, _ in chunks if r.prefilled == r.num_tokens]
+        self.chunked = next((r for r, _ in chunks if r.prefilled < r.num_tokens), None)
         self.decode_owed = self.chunked is not None
         for req in done:
             req.status = Status.RUNNING

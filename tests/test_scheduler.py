@@ -3,6 +3,7 @@ CPU: admission on an estimate lets requests that may run to the whole context sh
 and when the bet is lost, retraction gives room back without changing any request's tokens."""
 
 import pytest
+import torch
 
 from nano.engine import Engine, EngineConfig
 from nano.sampling import SamplingParams
@@ -71,3 +72,25 @@ def test_samples_of_one_prompt_compute_it_once(tmp_path):
     plain = Engine(tmp_path, EngineConfig(max_total_tokens=400, radix_cache=False, log=False))
     assert plain.generate([prompt] * 3, params) == outputs
     assert engine.slots.available + engine.prefix_cache.size == 400 and engine.prefix_cache.locked_size == 0
+
+
+def test_a_retracted_request_that_asks_for_its_prompts_logprobs_finds_its_prompt_cached(tmp_path):
+    """Prompt logprobs are computed on a request's first admission only: after a retraction it
+    recomputes from the prefix cache as a request that does not ask would (the same tokens recomputed),
+    and its prompt logprobs and tokens are those of a roomy pool."""
+    save_tiny_llama(tmp_path, "gqa")
+    prompts = random_prompts([20] * 8, LLAMA_TINY["vocab_size"], seed=6)
+
+    def run(pool, prompt_logprobs):
+        engine = Engine(tmp_path, EngineConfig(max_total_tokens=pool, chunked_prefill_size=16, log=False))
+        params = SamplingParams(max_new_tokens=80, ignore_eos=True, logprobs=0, prompt_logprobs=prompt_logprobs)
+        outputs = engine.generate(prompts, params)
+        return engine.stats, outputs, [engine.logprobs[rid].prompt for rid in sorted(engine.logprobs)]
+
+    roomy, asks, plain = run(2000, True), run(320, True), run(320, False)
+    assert asks[1] == plain[1] == roomy[1] and roomy[0]["retractions"] == 0
+    assert asks[0]["retractions"] == plain[0]["retractions"] > 0
+    assert asks[0]["recomputed_tokens"] == plain[0]["recomputed_tokens"]
+    for ours, reference in zip(asks[2], roomy[2]):
+        assert len(ours) == len(reference) == 19
+        torch.testing.assert_close(torch.tensor([e[0] for e in ours]), torch.tensor([e[0] for e in reference]))
