@@ -217,6 +217,7 @@ class Engine:
     def abort(self, req: Request):
         """Drop a request between steps, whatever its state, and give back all it holds."""
         self.scheduler.finish(req)
+        self.logprobs.pop(req.rid, None)
 
     def has_work(self) -> bool:
         s = self.scheduler

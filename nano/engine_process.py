@@ -125,7 +125,7 @@ def run_engine(engine, inbox, outbox):
                 except ValueError as e:
                     events.append((message.sid, APIError(400, str(e))))
             elif message.sid in requests:  # an abort of a request that is not done yet
-                _abort(engine, requests.pop(message.sid))
+                engine.abort(requests.pop(message.sid))
         if engine.has_work():
             events += _step(engine, requests)
         outbox.put(StepOutput(events, engine_state(engine)))
@@ -163,7 +163,7 @@ def _step(engine, requests: dict) -> list:
         failed = [sid for sid, req in requests.items() if req.row >= 0]
         error = APIError(500, f"the engine failed on this request ({type(e).__name__}); see the server log")
         for sid in failed:
-            _abort(engine, requests.pop(sid))
+            engine.abort(requests.pop(sid))
         return [(sid, error) for sid in failed]
     events = []
     for req, token in out:
@@ -179,12 +179,6 @@ def _step(engine, requests: dict) -> list:
             engine.logprobs.pop(req.rid, None)
         events.append((sid, event))
     return events
-
-
-def _abort(engine, req):
-    """Drop a request the HTTP side no longer follows, and what the engine kept for it."""
-    engine.abort(req)
-    engine.logprobs.pop(req.rid, None)
 
 
 def _engine_process(build_engine, inbox, outbox):

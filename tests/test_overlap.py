@@ -55,11 +55,14 @@ def test_a_request_aborted_while_its_pass_runs_leaves_no_trace(tmp_path):
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     expected = engine_for(tmp_path, overlap=False).generate(prompts[1:], params)
     engine = engine_for(tmp_path, overlap=True)
-    victim, *others = [engine.add_request(p, params) for p in prompts]
+    victim = engine.add_request(prompts[0], SamplingParams(max_new_tokens=20, ignore_eos=True, logprobs=1))
+    others = [engine.add_request(p, params) for p in prompts[1:]]
     for _ in range(4):
         engine.step()
     assert engine.in_flight is not None and victim in engine.in_flight.reqs and victim.in_flight == 1
+    assert engine.logprobs[victim.rid].tokens  # booked, not taken: the abort drops them
     engine.abort(victim)
+    assert victim.rid not in engine.logprobs
     while engine.has_work():
         engine.step()
     assert [r.output_ids for r in others] == expected
