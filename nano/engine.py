@@ -257,9 +257,8 @@ class Engine:
         if not done:
             return []
         logits = logits[[ends[i] - 1 for i, r in enumerate(reqs) if r in done]]  # each request's last token
-        tokens = sample(logits, [r.params for r in done], [r.generator for r in done])
-        asked, logprobs = self._token_logprobs(done, logits, tokens)
-        return self._append_tokens(done, tokens.tolist(), self._entries(done, asked, logprobs))
+        tokens, asked, logprobs = self._sample(done, logits)
+        return self._append_tokens(done, tokens.tolist(), asked, logprobs)
 
     @staticmethod
     def _logit_rows(chunks: list[tuple[Request, int]]) -> tuple[list[int], list[int]]:
@@ -323,8 +322,7 @@ class Engine:
     def _launch_sampling(self, reqs: list[Request], logits: torch.Tensor) -> DecodePass:
         """Sample on the device, and the logprobs of the requests that ask, and start copying them to
         the host, without waiting for them."""
-        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
-        asked, logprobs = self._token_logprobs(reqs, logits, tokens)
+        tokens, asked, logprobs = self._sample(reqs, logits)
         if not tokens.is_cuda:
             return DecodePass(reqs, tokens, tokens, None, asked, logprobs)
         host_tokens, *host_logprobs = (torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
@@ -334,19 +332,15 @@ class Engine:
         return DecodePass(reqs, tokens, host_tokens, copied, asked, tuple(host_logprobs))
 
     @staticmethod
-    def _token_logprobs(reqs: list[Request], logits: torch.Tensor, tokens: torch.Tensor) -> tuple[list[int], tuple]:
-        """-> (the rows whose requests ask for logprobs, token_logprobs of those rows on the device);
-        a batch where none asks computes nothing."""
+    def _sample(reqs: list[Request], logits: torch.Tensor) -> tuple[torch.Tensor, list[int], tuple]:
+        """Each request's next token, on the device -> (the tokens, the rows whose requests ask for
+        logprobs, token_logprobs of those rows); a batch where none asks computes no logprobs."""
+        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         asked = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         if not asked:
-            return [], ()
+            return tokens, [], ()
         rows = to_device(asked, torch.int64, logits.device)
-        return asked, token_logprobs(logits[rows], tokens[rows], max(reqs[i].params.logprobs for i in asked))
-
-    @staticmethod
-    def _entries(reqs: list[Request], asked: list[int], logprobs: tuple) -> dict[int, tuple]:
-        """token_logprobs of the rows that asked, on the host -> row: (logprob, its k likeliest)."""
-        return dict(zip(asked, logprob_entries(*logprobs, [reqs[i].params.logprobs for i in asked]))) if asked else {}
+        return tokens, asked, token_logprobs(logits[rows], tokens[rows], max(reqs[i].params.logprobs for i in asked))
 
     def _book(self, done: DecodePass) -> list[tuple[Request, int]]:
         """Book a decode pass's tokens: each request gets its token, and those that are done leave."""
@@ -356,8 +350,7 @@ class Engine:
             done.copied.synchronize()
         for req in done.reqs:
             req.in_flight -= 1
-        logprobs = self._entries(done.reqs, done.asked, done.logprobs)
-        events = self._append_tokens(done.reqs, done.host_tokens.tolist(), logprobs)
+        events = self._append_tokens(done.reqs, done.host_tokens.tolist(), done.asked, done.logprobs)
         self.stats["decode_tokens"] += len(events)
         return events
 
@@ -370,8 +363,11 @@ class Engine:
             return self.graph_runner.replay(batch)
         return self.model(batch, self.attn)
 
-    def _append_tokens(self, reqs: list[Request], tokens: list[int], logprobs: dict) -> list[tuple[Request, int]]:
-        """logprobs: by row, for the requests that ask (kept in self.logprobs for the caller)."""
+    def _append_tokens(self, reqs: list[Request], tokens: list[int], asked: list[int],
+                       logprobs: tuple) -> list[tuple[Request, int]]:
+        """asked, logprobs: as _sample gives them (their entries are kept in self.logprobs for the caller)."""
+        ks = [reqs[i].params.logprobs for i in asked]
+        logprobs = dict(zip(asked, logprob_entries(*logprobs, ks))) if asked else {}
         events = []
         for row, (req, token) in enumerate(zip(reqs, tokens)):
             if req.status is not Status.RUNNING:  # aborted, or stopped by the pass before while this one ran
