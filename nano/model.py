@@ -63,8 +63,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x, out=None):
-        return ops.rms_norm(x, self.weight, self.eps, out)  # into `out` when given, which may be x itself
+    def forward(self, x):
+        return ops.rms_norm(x, self.weight, self.eps)
 
     def add_and_norm(self, x, residual):
         """The residual stream's step: residual += x, then normalise it -> (normed, residual).

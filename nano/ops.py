@@ -48,21 +48,20 @@ def linear(x, weight, bias=None, split_k=False):
 
 
 @_triton_on_cuda()
-def fused_add_rms_norm(x, residual, weight, eps, out=None):
+def fused_add_rms_norm(x, residual, weight, eps):
     """residual += x, then normalise it -> (normed, residual); residual None: the stream starts at x.
     x may be partial products [S, T, hidden] (linear): their sum is added to the residual in float32,
-    rounded once, as the kernel does. The normed rows go into `out` when given, which may be x."""
+    rounded once, as the kernel does."""
     if x.dim() == 3:
         residual = (x.float().sum(0) + residual).to(residual.dtype)
     else:
         residual = x if residual is None else x + residual
-    normed = F.rms_norm(residual, weight.shape, weight, eps)
-    return (normed if out is None else out.copy_(normed)), residual
+    return F.rms_norm(residual, weight.shape, weight, eps), residual
 
 
-def rms_norm(x, weight, eps, out=None):
-    """x [T, hidden] -> rms_norm(x) * weight, in x's dtype (into `out` when given, which may be x)."""
-    return fused_add_rms_norm(x, None, weight, eps, out)[0]
+def rms_norm(x, weight, eps):
+    """x [T, hidden] -> rms_norm(x) * weight, in x's dtype."""
+    return fused_add_rms_norm(x, None, weight, eps)[0]
 
 
 @_triton_on_cuda()
@@ -88,7 +87,7 @@ def apply_rope_(q, k, cos_sin, positions, q_out=None, norm=None):
         x1, x2 = x.float().chunk(2, dim=-1)
         out.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))
     if norm is not None:
-        fused_add_rms_norm.reference(norm[0], None, *norm[1:], out=norm[0])
+        norm[0].copy_(fused_add_rms_norm.reference(norm[0], None, *norm[1:])[0])
 
 
 @_triton_on_cuda()

@@ -125,18 +125,15 @@ def _store_normed(x, weight, hidden, eps, out_ptrs, in_row):
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                       eps: float, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual [T, hidden] -> (rms_norm(x + residual) * weight, x + residual), in x's dtype; x
     may be a split-K linear's partial products [S, T, hidden] (linear), whose sum is added.
 
-    With residual None (the first layer: nothing to add yet) -> (rms_norm(x) * weight, x). The
-    normed rows go to `out` when given; it may be x itself (a program loads its whole row first)."""
+    With residual None (the first layer: nothing to add yet) -> (rms_norm(x) * weight, x)."""
     parts = x.unsqueeze(0) if x.dim() == 2 else x  # [S, T, hidden]
     num_parts, num_tokens, hidden = parts.shape
     assert x.stride(-1) == 1 and weight.shape == (hidden,) and weight.is_contiguous()
-    if out is None:
-        out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)  # [T, hidden]
-    assert out.shape == (num_tokens, hidden) and out.dtype == x.dtype and out.stride(-1) == 1
+    out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)  # [T, hidden]
     add_residual = residual is not None
     if not add_residual:
         assert num_parts == 1, "the residual stream starts at a whole row"

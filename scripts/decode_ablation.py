@@ -175,7 +175,7 @@ def _fixed_router():
     deepseek.MoE.route = route
 
 
-def _no_norm(x, residual, weight, eps, out=None):
+def _no_norm(x, residual, weight, eps):
     x = x[0] if x.dim() == 3 else x  # a split-K linear's first half
     return x, x if residual is None else residual
 
