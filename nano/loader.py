@@ -19,7 +19,6 @@ Before any of that, `model_bytes` tells the engine how much the weights will tak
 built on torch's `meta` device: modules with shapes and dtypes but no storage.
 """
 
-import json
 import zlib
 from functools import partial
 from pathlib import Path
@@ -28,7 +27,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from nano.config import ModelConfig
+from nano.config import ModelConfig, read_json
 from nano.deepseek import build_deepseek_v2
 from nano.model import CausalLM, build_llama
 from nano.tp import checkpoint_shard, shard_config
@@ -117,10 +116,9 @@ def _fill_random(model: CausalLM, shard_of, seed: int):
 def _checkpoint_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise WeightError(f"{index}: malformed index ({e})") from None
+        weight_map = read_json(index, WeightError).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise WeightError(f"{index}: malformed index (no weight_map of tensor name -> file name)")
         files = [model_dir / f for f in sorted(set(weight_map.values()))]
     else:
         files = sorted(model_dir.glob("*.safetensors"))

@@ -81,6 +81,17 @@ def test_missing_tensor(tiny_model):
                           "missing tensor model.layers.1.mlp.up_proj.weight")
 
 
+@pytest.mark.parametrize("index, fragment", [
+    (b'{"weight_map": ', "malformed JSON"),
+    (b"\xff\xfe{}", "malformed JSON"),  # not UTF-8
+    (b'{"weight_map": {"lm_head.weight": 3}}', "malformed index"),
+])
+def test_malformed_weight_index(tiny_model, index, fragment):
+    (tiny_model / "model.safetensors.index.json").write_bytes(index)
+    assert_one_line_error(run_cli("--model", str(tiny_model), "--prompt", "hi"), "model.safetensors.index.json",
+                          fragment)
+
+
 def test_misshaped_tensor(tiny_model):
     weights = load_file(tiny_model / "model.safetensors")
     weights["model.layers.0.self_attn.o_proj.weight"] = torch.randn(64, 32)
