@@ -56,16 +56,13 @@ def weight_bytes_per_step(model, batch_size: int) -> float:
     lm_head); of a MoE layer's routed experts, the expected number a batch touches."""
     from nano.deepseek import MoE
 
-    cfg = model.cfg
     total = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
-                if name != "embed_tokens" or cfg.tie_word_embeddings)
-    if cfg.n_routed_experts:
+                if name != "embed_tokens" or model.cfg.tie_word_embeddings)
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
         # each token picks k of E experts; a batch of b touches E (1 - (1 - k/E)^b) of them on average
-        k, e = cfg.num_experts_per_tok, cfg.n_routed_experts
-        untouched = (1 - k / e) ** batch_size
-        for moe in (m for m in model.modules() if isinstance(m, MoE)):
-            routed = moe.num_experts / (moe.num_experts + moe.num_shared)  # the stacks' share of routed experts
-            total -= untouched * routed * (moe.w13.numel() + moe.w2.numel()) * moe.w13.element_size()
+        untouched = (1 - moe.top_k / moe.num_experts) ** batch_size
+        routed = moe.num_experts / (moe.num_experts + moe.num_shared)  # the stacks' share of routed experts
+        total -= untouched * routed * (moe.w13.numel() + moe.w2.numel()) * moe.w13.element_size()
     return total
 
 
