@@ -13,6 +13,8 @@ query attention (several query heads sharing one KV head) and MLA (one latent KV
 all heads, key and value of different widths) need nothing special: KV heads are repeated.
 """
 
+from itertools import accumulate
+
 import torch
 
 from nano.forward_batch import ForwardBatch
@@ -34,11 +36,8 @@ class TorchAttnBackend:
         num_heads, v_dim = q.shape[1], v_cache.shape[-1]
         out = q.new_empty(q.shape[0], num_heads, v_dim)
         rows = batch.req_pool_indices.tolist()
-        if batch.is_decode:
-            extend_lens, starts = [1] * len(rows), list(range(len(rows)))
-        else:
-            extend_lens = batch.extend_lens_cpu
-            starts = [sum(extend_lens[:i]) for i in range(len(rows))]
+        extend_lens = [1] * len(rows) if batch.is_decode else batch.extend_lens_cpu  # each request's new tokens
+        starts = accumulate(extend_lens, initial=0)  # where they begin in q
         for row, seq_len, n, start in zip(rows, batch.seq_lens_cpu, extend_lens, starts):
             slots = self.req_to_token[row, :seq_len].long()
             keys = k_cache[slots].float()  # [S, Hkv, k_dim]
