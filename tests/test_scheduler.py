@@ -82,6 +82,7 @@ def test_a_retracted_request_that_asks_for_its_prompts_logprobs_finds_its_prompt
     prompts = random_prompts([20] * 8, LLAMA_TINY["vocab_size"], seed=6)
 
     def run(pool, prompt_logprobs):
+        """-> (the engine's stats, the outputs, each request's prompt logprobs)."""
         engine = Engine(tmp_path, EngineConfig(max_total_tokens=pool, chunked_prefill_size=16, log=False))
         params = SamplingParams(max_new_tokens=80, ignore_eos=True, logprobs=0, prompt_logprobs=prompt_logprobs)
         outputs = engine.generate(prompts, params)
