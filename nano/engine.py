@@ -367,15 +367,15 @@ class Engine:
                        logprobs: tuple) -> list[tuple[Request, int]]:
         """asked, logprobs: as _sample gives them (their entries are kept in self.logprobs for the caller)."""
         ks = [reqs[i].params.logprobs for i in asked]
-        logprobs = dict(zip(asked, logprob_entries(*logprobs, ks))) if asked else {}
+        entries = dict(zip(asked, logprob_entries(*logprobs, ks))) if asked else {}  # by row
         events = []
         for row, (req, token) in enumerate(zip(reqs, tokens)):
             if req.status is not Status.RUNNING:  # aborted, or stopped by the pass before while this one ran
                 continue
             req.output_ids.append(token)
             events.append((req, token))
-            if row in logprobs:
-                self.logprobs.setdefault(req.rid, Logprobs()).tokens.append(logprobs[row])
+            if row in entries:
+                self.logprobs.setdefault(req.rid, Logprobs()).tokens.append(entries[row])
             if token in req.stop_ids or len(req.output_ids) >= req.params.max_new_tokens:
                 self.scheduler.finish(req)
         return events
