@@ -9,7 +9,7 @@ read before the schemas. The sampling settings are checked once, by `SamplingPar
 the same check `generate` runs.
 
 A completion's `prompt` may be several (strings or token-id lists), and `n` asks for n samples of
-each: choice `prompt * n + j`. With a seed s, sample j draws with seed s + j, so the samples differ
+each: choice `prompt * n + j`. With a seed s, sample j draws with seed s + j (mod 2^63), so the samples differ
 and a repeated request gets them again. `top_k` -1 is off, as in vLLM and SGLang.
 """
 
@@ -64,7 +64,8 @@ class GenerationRequest(StrictModel):
 
     def sampling_params(self, max_new_tokens: int, sample: int = 0) -> SamplingParams:
         """The settings of each prompt's `sample`-th choice."""
-        seed = None if self.seed is None else self.seed + sample
+        # s + j, kept in the seeds' int64 range; the seed sent is checked as sample 0's, which runs first
+        seed = self.seed if self.seed is None or sample == 0 else (self.seed + sample) % 2**63
         params = SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), seed=seed,
                                 max_new_tokens=max_new_tokens, ignore_eos=self.ignore_eos, **self.logprob_params())
         try:

@@ -134,9 +134,14 @@ async def tokenizer_info(http: HTTPRequest):
             "model_max_length": state.client.context_length}
 
 
+def prompt_list(prompt) -> list:
+    """A completion's `prompt` (a string, token ids, or a list of either) -> a list of prompts."""
+    return [prompt] if isinstance(prompt, str) or prompt and isinstance(prompt[0], int) else prompt
+
+
 def prompt_ids(state, prompt) -> list[list[int]]:
-    """A completion's `prompt` (a string, token ids, or a list of either) -> each prompt's token ids."""
-    prompts = [prompt] if isinstance(prompt, str) or prompt and isinstance(prompt[0], int) else prompt
+    """A completion's `prompt` -> each prompt's token ids."""
+    prompts = prompt_list(prompt)
     if not prompts or not all(prompts):
         raise APIError(400, "prompt is empty", param="prompt")
     return [checked_ids(state, p) if isinstance(p, list) else
@@ -267,6 +272,9 @@ class Answer:
         if chat:
             self.head["object"] = "chat.completion.chunk" if body.stream else "chat.completion"
         self.echo = not chat and body.echo
+        if self.echo:  # a text prompt as sent (as vLLM echoes it); token ids as their text, special tokens too
+            self.echoed = [p if isinstance(p, str) else self.tokenizer.decode(p, special_tokens=True)
+                           if self.tokenizer else "" for p in prompt_list(body.prompt)]
         self.logprobs = body.logprob_params()["logprobs"] is not None
         self.offsets = [0] * len(prompts) * body.n  # each choice's text so far, for text_offset
 
@@ -274,7 +282,7 @@ class Answer:
         """Choice `index` of the response, or its part in one event (`first`: the choice's first)."""
         text, prompt = "".join(texts), self.prompts[index // self.body.n]
         if self.echo and first:
-            text = (self.tokenizer.decode(prompt) if self.tokenizer else "") + text
+            text = self.echoed[index // self.body.n] + text
         if not self.chat:
             content = {"text": text}
         elif self.body.stream:

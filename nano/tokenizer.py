@@ -126,8 +126,9 @@ class Tokenizer:
         """The text's own tokens, without BOS or any other special token added."""
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], special_tokens: bool = False) -> str:
+        """The ids' text: without special tokens, as generated text is printed, or with them."""
+        return self._tokenizer.decode(ids, skip_special_tokens=not special_tokens)
 
     def token_text(self, token_id: int) -> str:
         """One token's own text, special tokens included (what logprobs list it as)."""

@@ -216,6 +216,26 @@ def test_off_values_of_missing_features_are_accepted(server):
     assert got == 200, reply
 
 
+def test_echo_gives_the_prompt_back_as_sent(server):
+    """A text prompt comes back verbatim, special tokens too (vLLM's echo), and the listed tokens
+    join up to the text; token ids come back as their text with the special tokens in it."""
+    prompt = "<|im_start|>user\nHi<|im_end|>\n"
+    ids = call(server, "/tokenize", {"prompt": prompt})[1]["tokens"]
+    for sent in (prompt, ids):
+        status, reply = call(server, "/v1/completions", dict(prompt=sent, max_tokens=2, echo=True, logprobs=0))
+        choice = reply["choices"][0]
+        assert status == 200 and choice["text"].startswith(prompt), choice["text"]
+        assert "".join(choice["logprobs"]["tokens"]) == choice["text"]
+
+
+def test_a_seed_near_the_top_of_its_range_takes_n_samples(server):
+    """Sample j draws with seed s + j, wrapped into [0, 2^63): the last seed's second sample is seed 0's."""
+    body = dict(prompt="hi", max_tokens=4, temperature=1.0)
+    status, reply = call(server, "/v1/completions", dict(body, seed=2**63 - 1, n=2))
+    assert status == 200, reply
+    assert reply["choices"][1]["token_ids"] == call(server, "/v1/completions", dict(body, seed=0))[1]["choices"][0]["token_ids"]
+
+
 @pytest.mark.parametrize("path, body, status, param", BAD_INPUTS)
 def test_bad_input_gets_an_error_and_the_server_goes_on(server, path, body, status, param):
     got, reply = call(server, path, raw=body if isinstance(body, bytes) else json.dumps(body).encode())
@@ -387,6 +407,27 @@ def test_engine_exception_fails_its_requests_with_500_and_serving_goes_on(tiny_m
         while client.streams or call(url, "/health")[1]["running"]:
             assert time.time() < deadline, f"left behind: {client.streams}"
             time.sleep(0.05)
+
+
+def test_a_request_that_a_failed_step_finished_still_gets_an_answer(tiny_model):
+    """Overlap: a step books the decode pass in flight (here request 0's last token), then runs a prefill
+    for a new prompt. When that prefill raises, request 0 gets the 500 too, not silence."""
+    from nano.engine_process import _step
+    from nano.sampling import SamplingParams
+
+    engine = Engine(tiny_model, EngineConfig(max_total_tokens=2000, log=False))
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True, logprobs=1)
+    requests = {0: engine.add_request([1, 2, 3], params)}
+    assert len(_step(engine, requests)) == 1 and _step(engine, requests) == []  # the last token is in flight
+
+    def broken(batch, attn):
+        raise RuntimeError("injected fault")
+
+    engine.model = broken
+    requests[1] = engine.add_request([4, 5, 6], params)
+    events = dict(_step(engine, requests))  # books request 0's last token, then request 1's prefill raises
+    assert set(events) == {0, 1} and all(e.status == 500 for e in events.values())
+    assert not requests and not engine.logprobs and not engine.has_work()
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the planted death
