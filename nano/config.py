@@ -122,20 +122,21 @@ def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             qkv_bias=arch == "Qwen2ForCausalLM", qk_norm=arch == "Qwen3ForCausalLM",
         )
-        _refuse_unsupported_attention(raw, arch, cfg, source)
+        _refuse_unsupported(raw, arch, cfg, source)
         if arch == "DeepseekV2ForCausalLM":
             _parse_deepseek(raw, cfg, need)
     except ConfigError:
         raise
-    except (TypeError, ValueError, KeyError) as e:
+    except (TypeError, ValueError, KeyError, ZeroDivisionError) as e:
         raise ConfigError(f"{source}: bad or missing value ({e})") from None
     return cfg
 
 
-def _refuse_unsupported_attention(raw: dict, arch: str, cfg: ModelConfig, source: str) -> None:
-    """transformers' rules: Mistral slides over `sliding_window` when one is set; Qwen only with
-    use_sliding_window, on the layers from max_window_layers on (`layer_types` names them in 5.x)."""
-    window = raw.get("sliding_window")
+def _refuse_unsupported(raw: dict, arch: str, cfg: ModelConfig, source: str) -> None:
+    """transformers' rules: Mistral slides over `sliding_window` when one is set (4096 when the key is
+    absent); Qwen only with use_sliding_window, on the layers from max_window_layers on (`layer_types`
+    names them in 5.x). Also refused: what would load and then compute something else."""
+    window = raw.get("sliding_window", 4096 if arch == "MistralForCausalLM" else None)
     if arch == "MistralForCausalLM":
         slides = window is not None
     elif "layer_types" in raw:
@@ -147,6 +148,10 @@ def _refuse_unsupported_attention(raw: dict, arch: str, cfg: ModelConfig, source
                           f"({cfg.max_position_embeddings}): nano has no sliding-window attention")
     if raw.get("attention_bias") or raw.get("mlp_bias"):
         raise ConfigError(f"{source}: attention_bias and mlp_bias are not supported (nano has q/k/v biases, as Qwen2)")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported (nano's MLP is SiLU-gated)")
+    if raw.get("quantization_config"):
+        raise ConfigError(f"{source}: quantized checkpoints are not supported (nano loads 16- and 32-bit weights)")
 
 
 def _parse_rope(raw: dict) -> tuple[float, dict | None]:
@@ -164,6 +169,9 @@ def _parse_rope(raw: dict) -> tuple[float, dict | None]:
         raise ConfigError(f"unsupported rope scaling type {rope_type!r} (nano has linear, llama3, yarn)")
     params["rope_type"] = rope_type
     params["factor"] = float(params["factor"])
+    if rope_type == "llama3":  # read now: one missing is a config error, not a KeyError while the model is built
+        params["low_freq_factor"], params["high_freq_factor"] = (float(params[key]) for key in
+                                                                 ("low_freq_factor", "high_freq_factor"))
     if "original_max_position_embeddings" not in params and rope_type != "linear":
         params["original_max_position_embeddings"] = raw["max_position_embeddings"]
     return theta, params

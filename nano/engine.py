@@ -202,6 +202,8 @@ class Engine:
         params.validate()
         if not prompt_ids:
             raise ValueError("empty prompt")
+        if not all(0 <= t < self.cfg.vocab_size for t in prompt_ids):  # an embedding lookup past its table
+            raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size}): the model's vocabulary")
         if len(prompt_ids) >= self.context_length:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; the context holds {self.context_length} "
                              "(prompt plus at least one new token)")

@@ -50,8 +50,10 @@ def rope_frequencies(rot_dim: int, theta: float, scaling: dict | None) -> tuple[
     def correction_dim(rotations):
         return rot_dim * math.log(original_ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-    low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), rot_dim - 1)
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):  # to whole channels, unless the config says not to (HF's rule)
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rot_dim - 1)
     if low == high:
         high += 0.001
     ramp = ((torch.arange(rot_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)

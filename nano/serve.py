@@ -42,7 +42,6 @@ import uuid
 from contextlib import asynccontextmanager
 from functools import partial
 
-import jinja2
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI
 from fastapi import Request as HTTPRequest
@@ -55,7 +54,7 @@ from nano.api import (DEFAULT_COMPLETION_TOKENS, ChatRequest, CompletionRequest,
 from nano.cli import ArgumentParser, UsageError, add_engine_args, build_engine, cli, resolve_model_or_shape
 from nano.config import load_config
 from nano.engine_process import APIError, EngineClient, Stream, Token, start_engine_process
-from nano.tokenizer import Detokenizer, Tokenizer
+from nano.tokenizer import Detokenizer, Tokenizer, TokenizerError
 
 
 async def check_api_key(http: HTTPRequest):
@@ -160,8 +159,8 @@ def chat_ids(state, messages) -> list[int]:
         raise APIError(400, "this model has no chat template: use /v1/completions")
     try:
         return tokenizer.encode_chat([m.as_dict(tokenizer.template_has_developer) for m in messages])
-    except jinja2.TemplateError as e:
-        raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from None
+    except TokenizerError as e:
+        raise APIError(400, str(e), param="messages") from None
 
 
 def need_tokenizer(state, what: str) -> Tokenizer:

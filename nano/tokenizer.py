@@ -37,7 +37,8 @@ REPLACEMENT_CHAR = "\ufffd"  # what a decoder writes for bytes that are not (yet
 
 
 class TokenizerError(ValueError):
-    """A model folder whose tokenizer we cannot use; the message is shown to the user as is."""
+    """A model folder whose tokenizer we cannot use, or messages its chat template refuses; the
+    message is shown to the user as is."""
 
 
 class Tokenizer:
@@ -50,7 +51,8 @@ class Tokenizer:
             self._tokenizer = HFTokenizer.from_file(str(tokenizer_file))
         except Exception as e:  # the Rust library raises a bare Exception for a malformed file
             raise TokenizerError(f"{tokenizer_file}: cannot be read ({e})") from None
-        config = _read_json(model_dir / "tokenizer_config.json")
+        # older folders name BOS and EOS only in special_tokens_map.json: HF reads it for what the config lacks
+        config = _read_json(model_dir / "special_tokens_map.json") | _read_json(model_dir / "tokenizer_config.json")
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         self.bos_token_id = self._tokenizer.token_to_id(self.bos_token) if self.bos_token else None
@@ -78,7 +80,8 @@ class Tokenizer:
             raise TokenizerError(f"{model_dir}: chat_template is not a single template string")
         # The same environment as HF transformers' apply_chat_template: templates come from the
         # internet, hence the sandbox; trim/lstrip_blocks decide the exact whitespace.
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[jinja2.ext.loopcontrols, _GenerationTag])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -103,9 +106,12 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict]) -> str:
         """The conversation (role/content dicts), followed by the header that asks the assistant to answer."""
         # HF passes tools and documents as None when unused, and templates test `tools is not none`.
-        return self._chat_template.render(messages=messages, bos_token=self.bos_token or "",
-                                          eos_token=self.eos_token or "", add_generation_prompt=True,
-                                          tools=None, documents=None)
+        try:
+            return self._chat_template.render(messages=messages, bos_token=self.bos_token or "",
+                                              eos_token=self.eos_token or "", add_generation_prompt=True,
+                                              tools=None, documents=None)
+        except jinja2.TemplateError as e:  # raise_exception, or a message the template cannot read
+            raise TokenizerError(f"the chat template refused these messages: {e}") from None
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         # The rendered text already holds every special token the model should see.
@@ -201,3 +207,13 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
 
 def _raise_exception(message: str):
     raise jinja2.exceptions.TemplateError(message)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`: HF's templates mark the assistant's text with it for
+    training (which tokens to learn); for a prompt it renders its body as is."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        next(parser.stream)  # the tag's name
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)

@@ -39,6 +39,9 @@ LLAMA_VARIANTS = {
     "qwen3-qk-norm-tied": dict(family="Qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                                tie_word_embeddings=True),
     "mistral": dict(family="Mistral", num_attention_heads=4, num_key_value_heads=1, head_dim=32),
+    # YaRN's ramp between fractional channels: over 32 tokens it ends at channel 2.83, not 3
+    "yarn-untruncated": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32, truncate=False)),
 }
 
 

@@ -73,3 +73,24 @@ def test_qwen25_folder_tokens(qwen25_folder):
     assert tokenizer.encode_chat(messages) == hf.apply_chat_template(messages, add_generation_prompt=True,
                                                                      return_dict=True)["input_ids"]
     assert tokenizer.bos_token is None and tokenizer.eos_token_ids == [hf.convert_tokens_to_ids("<|im_end|>")]
+
+
+def test_a_legacy_folder_with_generation_tags_renders_as_hf(smollm2_dir, tmp_path):
+    """BOS and EOS named only in special_tokens_map.json (older folders), and a template that marks the
+    assistant's turns with `{% generation %}` (training templates): rendered as HF renders them."""
+    shutil.copy(smollm2_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    config = json.loads((smollm2_dir / "tokenizer_config.json").read_text())
+    for key in ("bos_token", "eos_token"):
+        del config[key]
+    config["chat_template"] = (
+        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}"
+        "{{ m['content'] + eos_token }}{% endgeneration %}{% else %}{{ m['role'] + ': ' + m['content'] + '\n' }}"
+        "{% endif %}{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}))
+    messages = CONVERSATIONS["several turns"]
+    hf, tokenizer = AutoTokenizer.from_pretrained(tmp_path), Tokenizer(tmp_path)
+    expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert tokenizer.apply_chat_template(messages) == expected
+    assert expected.startswith("<|im_start|>user: ") and "The Seine.<|im_end|>" in expected
+    assert tokenizer.eos_token_ids == [hf.convert_tokens_to_ids("<|im_end|>")]

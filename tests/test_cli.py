@@ -4,6 +4,7 @@ on stderr and exit status 2 (never a traceback), Ctrl-C with exit status 130."""
 import importlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.helpers import assert_one_line_error, run_cli, save_tiny_chat_model
+from tests.helpers import assert_one_line_error, run_cli, save_tiny_chat_model, save_tiny_llama
 
 
 def run_bench(*args):
@@ -172,6 +173,23 @@ def test_model_without_chat_template_is_noted(tiny_model):
     result = run_cli("--model", str(tiny_model), "--prompt", "hi", "--max-new-tokens", "2")
     assert result.returncode == 0, result.stderr
     assert "has no chat template; the prompts go to the model as raw text" in result.stderr
+
+
+def test_a_chat_template_that_refuses_the_prompt_is_one_line(tiny_model):
+    config = json.loads((tiny_model / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ raise_exception('a system message is required') }}"
+    (tiny_model / "tokenizer_config.json").write_text(json.dumps(config))
+    result = run_cli("--model", str(tiny_model), "--prompt", "hi", "--max-new-tokens", "2")
+    assert_one_line_error(result, "the chat template refused these messages: a system message is required")
+
+
+def test_a_tokenizer_past_the_models_vocabulary_is_one_line(tmp_path, smollm2_dir):
+    """SmolLM2's tokenizer (49,152 tokens) on a model of 320: the prompt's ids would index past the embedding."""
+    save_tiny_llama(tmp_path, "gqa")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_dir / name, tmp_path / name)
+    result = run_cli("--model", str(tmp_path), "--prompt", "What is the capital of France?")
+    assert_one_line_error(result, "prompt 1: token ids must be in [0, 320)")
 
 
 def test_cpu_run_never_imports_triton(smollm2_dir):

@@ -42,6 +42,28 @@ def test_sliding_window_is_refused_where_it_acts(family, fields, slides, dialect
     assert "sliding_window 64 is shorter than the context (256)" in message and "\n" not in message
 
 
+def test_mistral_without_the_sliding_window_key_slides_over_4096():
+    """transformers' MistralConfig defaults the window to 4096: a context past it would slide."""
+    raw = raw_config("Mistral", "v4", num_attention_heads=4)
+    del raw["sliding_window"]
+    parse_config(raw)  # a context of 256
+    with pytest.raises(ConfigError, match=r"sliding_window 4096 is shorter than the context \(8192\)"):
+        parse_config(raw | {"max_position_embeddings": 8192})
+
+
+@pytest.mark.parametrize("fields, fragment", [
+    (dict(hidden_act="gelu"), "hidden_act 'gelu'"),  # it would load and run SiLU
+    (dict(quantization_config={"quant_method": "fp8"}), "quantized"),  # fp8 weights, read without their scales
+    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}), "low_freq_factor"),
+    (dict(num_attention_heads=0, head_dim=None), "division"),  # head_dim from hidden / heads
+])
+def test_configs_that_would_compute_something_else_or_crash_are_one_line(fields, fragment):
+    raw = raw_config("Llama", "v5", num_attention_heads=4) | fields
+    with pytest.raises(ConfigError, match=fragment) as error:
+        parse_config(raw)
+    assert "\n" not in str(error.value)
+
+
 def test_family_fields():
     mistral = raw_config("Mistral", "v4", num_attention_heads=4, sliding_window=None) | {"head_dim": None}
     assert parse_config(mistral).head_dim == 16  # null: hidden / heads
