@@ -4,7 +4,7 @@ Every step the engine asks it one question: prefill (admit waiting requests, or 
 a long prompt) or decode (one token for every running request)? A request moves through explicit
 states: WAITING in the queue -> PREFILLING while a chunked prompt is part-way -> RUNNING, one token
 per decode step -> FINISHED (EOS, a stop id, its budget, or an abort). A RETRACTED request was
-running and gave its room back; it waits at the front of the queue with its tokens kept.
+admitted and gave its room back; it waits at the front of the queue with its tokens kept.
 
 Admission is a bet. A request's output length is unknown until it stops, and most stop long
 before their budget (a chat request without `max_tokens` may run to the whole context). Reserving
@@ -150,6 +150,7 @@ class Scheduler:
         committed = sum(self.expected_need(r) for r in self.running + [r for r, _ in chunks])
         while self.waiting and budget > 0:
             req = self.waiting[0]
+            again = req.status is Status.RETRACTED  # running, or a prompt part-way, before
             if self._computed_in(chunks, req) or not self._admit(req):
                 break
             extend = req.num_tokens - req.cached_len
@@ -158,10 +159,10 @@ class Scheduler:
             need = self.expected_need(req)
             if committed + need > self.free_room or (chunks and extend > budget):
                 self._release(req)  # undo: it waits for room
-                req.status = Status.RETRACTED if req.output_ids else Status.WAITING
+                req.status = Status.RETRACTED if again else Status.WAITING
                 break
             self.waiting.popleft()
-            if req.output_ids:  # admitted again after a retraction: what it computes again
+            if again:  # admitted again after a retraction: what it computes again
                 self.stats["recomputed_tokens"] += req.num_tokens - req.cached_len
             else:
                 self.stats["prefill_tokens"] += req.num_tokens

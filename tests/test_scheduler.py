@@ -95,3 +95,22 @@ def test_a_retracted_request_that_asks_for_its_prompts_logprobs_finds_its_prompt
     for ours, reference in zip(asks[2], roomy[2]):
         assert len(ours) == len(reference) == 19
         torch.testing.assert_close(torch.tensor([e[0] for e in ours]), torch.tensor([e[0] for e in reference]))
+
+
+def test_a_prompt_retracted_part_way_counts_once_as_a_prompt(tmp_path):
+    """A prompt retracted while it is part-way through chunked prefill is counted once among the
+    prompt tokens; its second admission is what it recomputes (it had no output to tell it by)."""
+    save_tiny_llama(tmp_path, "gqa")
+    short, long = random_prompts([20, 30], LLAMA_TINY["vocab_size"], seed=1)
+    engine = Engine(tmp_path, EngineConfig(max_total_tokens=64, chunked_prefill_size=1, log=False))
+    engine.add_request(short, SamplingParams(max_new_tokens=40, ignore_eos=True))
+    engine.step()
+    late = engine.add_request(long, SamplingParams(max_new_tokens=3, ignore_eos=True))
+    engine.scheduler.new_token_ratio = 0.1  # admit it beside the first, whose growth then takes its room
+    retracted_part_way = False
+    while engine.has_work():
+        prefilled = late.prefilled if late.status is Status.PREFILLING else None
+        engine.step()
+        retracted_part_way |= prefilled is not None and late.status is Status.RETRACTED
+    assert retracted_part_way and engine.stats["retractions"] == 1 and len(late.output_ids) == 3
+    assert engine.stats["prefill_tokens"] == 20 + 30 and engine.stats["recomputed_tokens"] > 0
