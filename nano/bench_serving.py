@@ -82,6 +82,9 @@ def make_prompts(args, vocab_size: int) -> list[tuple[str | list[int], int]]:
         raise UsageError(f"--dataset {args.dataset}: not a JSONL file with a prompt per line ({e!r})") from None
     if not rows:
         raise UsageError(f"--dataset {args.dataset} has no prompts")
+    if args.unknown_output_len and any(isinstance(prompt, str) for prompt, _ in rows):  # tokens unknown here
+        raise UsageError(f"--unknown-output-len asks for the context left after each prompt: --dataset {args.dataset} "
+                         "needs token-id prompts")
     return (rows * (args.num_prompts // len(rows) + 1))[: args.num_prompts]  # cycle through the file
 
 

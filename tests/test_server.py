@@ -499,6 +499,14 @@ def test_bench_serving_bad_dataset_is_one_line(server, tmp_path, dataset, fragme
     assert_one_line_error(result, fragment)
 
 
+def test_bench_serving_text_prompts_of_unknown_output_length_are_one_line(server, tmp_path):
+    """The request asks for the context left after its prompt, which a text prompt's characters do not tell."""
+    (tmp_path / "text.jsonl").write_text('{"prompt": "Hello there"}\n')
+    result = run_cli("--base-url", server, "--api-key", API_KEY, "--dataset", str(tmp_path / "text.jsonl"),
+                     "--unknown-output-len", module="nano.bench_serving")
+    assert_one_line_error(result, "needs token-id prompts")
+
+
 def test_empty_api_key_is_refused_at_start():
     assert_one_line_error(run_cli("--api-key", "", module="nano.serve"), "--api-key is empty")
 
