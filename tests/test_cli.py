@@ -209,7 +209,21 @@ def test_bench_latency_without_flags_times_a_shape_that_fits():
     result = run_bench("--device", "cpu", "--input-len", "8", "--output-len", "2")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("smollm2-135m: LlamaForCausalLM, torch.float32, cpu")
-    assert "Decode.  median latency" in result.stdout
+    assert "Decode.  latency: " in result.stdout
+
+
+def test_bench_latency_computes_every_prompt_token(monkeypatch, capsys):
+    """Batch sizes 1, 2 and 4 draw their prompts from the same seeds: with a prefix cache a later
+    batch would find its first prompts cached, and its prefill would time less than it reports."""
+    from nano import bench_latency
+
+    engines = []
+    build = bench_latency.build_engine
+    monkeypatch.setattr(bench_latency, "build_engine", lambda *a, **k: engines.append(build(*a, **k)) or engines[-1])
+    bench_latency.main(["--device", "cpu", "--threads", "1", "--batch-size", "1", "2", "4", "--input-len", "16",
+                        "--output-len", "2", "--max-total-tokens", "2000"])
+    assert engines[0].stats["prefill_tokens"] == 2 * 16 * (1 + 2 + 4) and engines[0].stats["cached_tokens"] == 0
+    assert capsys.readouterr().out.count("Prefill. latency") == 3
 
 
 @pytest.mark.parametrize("module", ["generate", "serve", "bench_latency", "bench_throughput", "bench_serving"])
