@@ -44,7 +44,8 @@ import torch
 
 from nano.config import load_config
 from nano.forward_batch import ForwardBatch, to_device
-from nano.kv_cache import KVPool, ReqToTokenPool, SlotAllocator, kv_bytes_per_token, tokens_for_memory
+from nano.kv_cache import (CPU_KV_CACHE_MAX_BYTES, KVPool, ReqToTokenPool, SlotAllocator, kv_bytes_per_token,
+                           tokens_for_memory)
 from nano.loader import build_model, load_model, model_bytes
 from nano.memory import ensure_fits
 from nano.radix_cache import RadixCache
@@ -156,13 +157,17 @@ class Engine:
 
     def _load_model(self, model_dir, shard_cfg):
         """Check that the weights, the request table and a KV cache of the size asked for (or, failing
-        that, room for one request of the full context) fit, then build and fill the model."""
+        that, room for one request of the full context; on CPU, at most the pool's cap, to which the
+        context then shrinks) fit, then build and fill the model."""
         config, cfg = self.config, self.cfg
         self.context_length = min(config.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.kv_bytes_per_token = kv_bytes_per_token(shard_cfg, self.dtype, self.use_mla)
+        kv_bytes = (config.max_total_tokens or self.context_length) * self.kv_bytes_per_token
+        if self.device.type == "cpu" and not config.max_total_tokens:
+            kv_bytes = min(kv_bytes, CPU_KV_CACHE_MAX_BYTES)
         ensure_fits(self.device, self.dtype, {
             f"{str(self.dtype).removeprefix('torch.')} weights": model_bytes(shard_cfg, self.dtype, self.use_mla),
-            "KV cache": (config.max_total_tokens or self.context_length) * self.kv_bytes_per_token,
+            "KV cache": kv_bytes,
             "request table": config.max_running_requests * self.context_length * 4,
         })
         started = time.perf_counter()

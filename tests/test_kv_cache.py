@@ -1,5 +1,6 @@
 """The slot allocator and request table, and the engine's batching on top of them (CPU)."""
 
+import pytest
 import torch
 
 from nano.config import load_config
@@ -69,3 +70,24 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tmp_path):
     assert batched == singles
     greedy = engine.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))
     assert batched != greedy  # it really sampled
+
+
+def test_the_cpu_fit_check_counts_the_kv_cache_the_cpu_builds(monkeypatch):
+    """Llama-3.1-8B's whole context (131,072 tokens) would take 16 GiB of KV cache in bfloat16, but a CPU
+    pool holds at most CPU_KV_CACHE_MAX_BYTES and the context shrinks to it: on a host with 22 GiB
+    free the 15 GiB of weights fit, and the engine goes on to load them."""
+    from nano import engine as engine_module
+    from nano import kv_cache, memory
+
+    class Loading(Exception):
+        pass
+
+    def load_model(*args):
+        raise Loading
+
+    for module in (memory, kv_cache):
+        monkeypatch.setattr(module, "free_bytes", lambda device: 22 * 2**30)
+    monkeypatch.setattr(engine_module, "load_model", load_model)
+    config = EngineConfig(device="cpu", dtype=torch.bfloat16, load_format="dummy", log=False)
+    with pytest.raises(Loading):  # before: NotEnoughMemoryError, "15.0 GiB bfloat16 weights + 16.0 GiB KV cache"
+        Engine("nano/configs/llama-3.1-8b", config)
