@@ -409,9 +409,16 @@ class Engine:
 
 def run_tp_worker(model_dir, config: EngineConfig, rank: int, port: int, pipe):
     """A tensor-parallel worker's life (tp.py): build the engine's rank `rank`, then run every
-    forward pass rank 0 sends, a graph replay when one fits, as on rank 0."""
-    group = TensorParallel(rank, config.tp_size, port, rank_device(torch.device(config.device), rank), pipes=[pipe])
-    engine = Engine(model_dir, replace(config, log=False), tp_group=group)
+    forward pass rank 0 sends, a graph replay when one fits, as on rank 0. A one-line error while
+    it builds (a weight missing, a GPU without room) ends it as it ends a command: that line, status 2."""
+    from nano.cli import one_line_errors
+
+    try:
+        group = TensorParallel(rank, config.tp_size, port, rank_device(torch.device(config.device), rank), pipes=[pipe])
+        engine = Engine(model_dir, replace(config, log=False), tp_group=group)
+    except one_line_errors() as e:
+        print(f"error: tensor-parallel rank {rank}: {e}", file=sys.stderr)
+        sys.exit(2)
     while (batch := group.receive_batch(engine.req_to_token_pool.req_to_token)) is not None:
         engine.forward(batch)
     engine.close()

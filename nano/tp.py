@@ -206,8 +206,10 @@ class TensorParallel:
         """A rank that died leaves the others waiting in a collective forever: end rank 0 too."""
         multiprocessing.connection.wait([w.sentinel for w in self.workers])
         if not self.closed:
-            died = ", ".join(f"rank {i + 1} (exit code {w.exitcode})" for i, w in enumerate(self.workers)
-                             if w.exitcode is not None)
+            dead = [(i + 1, w.exitcode) for i, w in enumerate(self.workers) if w.exitcode is not None]
+            if all(code == 2 for _, code in dead):  # each printed its one-line error (engine.run_tp_worker)
+                os._exit(2)
+            died = ", ".join(f"rank {rank} (exit code {code})" for rank, code in dead)
             print(f"error: tensor-parallel worker {died} stopped; its error is printed above", file=sys.stderr)
             os._exit(1)
 

@@ -8,11 +8,14 @@ On two GPUs (skipped elsewhere) the ranks talk over NCCL, and greedy tokens with
 capture the all-reduce, must equal eager decoding of the same batches."""
 
 import gc
+import subprocess
+import sys
 from dataclasses import replace
 from functools import partial
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from nano.config import ConfigError, load_config
 from nano.cuda_graph_runner import StaticDecodeInputs
@@ -95,6 +98,22 @@ def test_uneven_splits_are_refused():
         shard_config(cfg, 3)
     with pytest.raises(ConfigError, match="KV heads"):
         shard_config(replace(cfg, num_heads=48, num_kv_heads=12), 8)
+
+
+def test_a_weight_missing_on_every_rank_is_one_line_from_each(tmp_path):
+    """Rank 1 is a process of its own: its one-line error must not become a traceback, and the
+    command ends with status 2 whichever rank reports first."""
+    save_tiny_llama(tmp_path, "gqa")
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights["model.layers.2.mlp.down_proj.weight"]
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    code = (f"from nano.cli import cli\nfrom nano.engine import Engine, EngineConfig\n"
+            f"def run(args):\n    Engine({str(tmp_path)!r}, EngineConfig(tp_size=2, max_total_tokens=64, log=False))\n"
+            f"if __name__ == '__main__':\n    cli(lambda: __import__('argparse').ArgumentParser(), run, [])\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert lines and all(line.startswith("error: ") and "down_proj" in line for line in lines), result.stderr
 
 
 def run(path, tp_size, prompts, monkeypatch, **engine_args):
