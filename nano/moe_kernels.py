@@ -151,7 +151,8 @@ def _route_kernel(partial_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, nu
     ids = tl.zeros([BLOCK_K], dtype=tl.int64)
     for slot in tl.static_range(TOP_K):  # the k best, one pass each: highest score, lowest id on ties
         best = tl.max(scores, 0)
-        best_id = tl.min(tl.where(scores == best, experts, BLOCK_E), 0)
+        # (a NaN row matches no lane: the last expert then, not a lane past the weight stacks)
+        best_id = tl.minimum(tl.min(tl.where(scores == best, experts, BLOCK_E), 0), num_experts - 1)
         weights = tl.where(slots == slot, best, weights)
         ids = tl.where(slots == slot, best_id, ids)
         scores = tl.where(experts == best_id, -1.0, scores)

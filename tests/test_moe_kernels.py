@@ -93,6 +93,17 @@ def test_route(num_tokens, hidden, num_experts, top_k, num_shared, renormalize):
     check_route(num_tokens, hidden, num_experts, top_k, num_shared, renormalize, torch.float16)
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy, on the NaN row
+def test_a_nan_row_is_routed_to_experts_that_exist():
+    """NaN scores equal no maximum: the pick must still name an expert of the stacks, where a lane
+    past them would send the MoE kernels to read past the weights (a device fault on a GPU)."""
+    x = randn(3, 72, dtype=torch.float16)
+    x[1, 5] = float("nan")
+    weights, ids = route(x, randn(10, 72, dtype=torch.float32), 3, False, routed_scaling=2.5, num_shared=1)
+    assert ((0 <= ids) & (ids < 10 + 1)).all(), ids
+    assert ids[1, 3] == 10 and not weights[[0, 2]].isnan().any()  # the shared expert; the other rows as ever
+
+
 def check_matvecs(num_tokens: int, slots: int, num_experts: int, inter: int, hidden: int, dtype: torch.dtype):
     gate_up, down = random_stacks(num_experts, inter, hidden, dtype)
     ids, weights = random_routing(num_tokens, slots, num_experts)
