@@ -9,8 +9,8 @@ read before the schemas. The sampling settings are checked once, by `SamplingPar
 the same check `generate` runs.
 
 A completion's `prompt` may be several (strings or token-id lists), and `n` asks for n samples of
-each: choice `prompt * n + j`. With a seed s, sample j draws with seed s + j (mod 2^63), so the samples differ
-and a repeated request gets them again. `top_k` -1 is off, as in vLLM and SGLang.
+each: choice `prompt * n + j`. With a seed s, sample j draws with seed s + j (mod 2^63), so the
+samples differ and a repeated request gets them again. `top_k` -1 is off, as in vLLM and SGLang.
 """
 
 import json

@@ -5,9 +5,9 @@
 For each batch size it runs `batch_size` requests of `input_len` random tokens through one
 prefill and `output_len - 1` decode steps (after a warm-up round that compiles kernels), and prints
 the prefill latency and the decode-step latency (the decode steps' time over those passes), each
-with its throughput. `--model` takes
-a model folder or the name of a shape shipped in nano/configs, which runs with random weights
-(no download); without it, the shape that suits the device: llama-3-8b on a GPU, smollm2-135m on CPU.
+with its throughput. `--model` takes a model folder or the name of a shape shipped in nano/configs,
+which runs with random weights (no download); without it, the shape that suits the device:
+llama-3-8b on a GPU, smollm2-135m on CPU.
 
 Decode at small batch is memory-bound: each step must read every weight once (for a
 mixture-of-experts model, only the experts the batch routes to) and each request's KV cache.
