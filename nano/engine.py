@@ -42,12 +42,12 @@ from pathlib import Path
 
 import torch
 
-from nano.config import load_config
+from nano.config import ConfigError, load_config
 from nano.forward_batch import ForwardBatch, to_device
 from nano.kv_cache import (CPU_KV_CACHE_MAX_BYTES, KVPool, ReqToTokenPool, SlotAllocator, kv_bytes_per_token,
                            tokens_for_memory)
-from nano.loader import build_model, load_model, model_bytes
-from nano.memory import ensure_fits
+from nano.loader import WeightError, build_model, load_model, model_bytes
+from nano.memory import NotEnoughMemoryError, ensure_fits
 from nano.radix_cache import RadixCache
 from nano.sampling import Logprobs, SamplingParams, logprob_entries, sample, token_logprobs
 from nano.scheduler import Request, Scheduler, Status
@@ -411,12 +411,12 @@ def run_tp_worker(model_dir, config: EngineConfig, rank: int, port: int, pipe):
     """A tensor-parallel worker's life (tp.py): build the engine's rank `rank`, then run every
     forward pass rank 0 sends, a graph replay when one fits, as on rank 0. A one-line error while
     it builds (a weight missing, a GPU without room) ends it as it ends a command: that line, status 2."""
-    from nano.cli import one_line_errors
+    from nano.cuda_graph_runner import GraphCaptureError
 
     try:
         group = TensorParallel(rank, config.tp_size, port, rank_device(torch.device(config.device), rank), pipes=[pipe])
         engine = Engine(model_dir, replace(config, log=False), tp_group=group)
-    except one_line_errors() as e:
+    except (ConfigError, WeightError, NotEnoughMemoryError, GraphCaptureError) as e:  # cli's that a rank meets
         print(f"error: tensor-parallel rank {rank}: {e}", file=sys.stderr)
         sys.exit(2)
     while (batch := group.receive_batch(engine.req_to_token_pool.req_to_token)) is not None:
