@@ -4,8 +4,7 @@
 
 For each batch size it runs `batch_size` requests of `input_len` random tokens through one
 prefill and `output_len - 1` decode steps (after a warm-up round that compiles kernels), and prints
-the prefill latency and the decode-step latency (the decode steps' time over those passes), each
-with its throughput. `--model` takes a model folder or the name of a shape shipped in nano/configs,
+the prefill latency and the median decode-step latency, each with its throughput. `--model` takes a model folder or the name of a shape shipped in nano/configs,
 which runs with random weights (no download); without it, the shape that suits the device:
 llama-3-8b on a GPU, smollm2-135m on CPU.
 
@@ -67,10 +66,10 @@ def weight_bytes_per_step(model, batch_size: int) -> float:
     return total
 
 
-def run_once(engine, batch_size: int, input_len: int, output_len: int, seed: int) -> tuple[float, float]:
-    """-> (the prefill step's seconds, seconds per decode pass). With overlap a step launches one pass
-    and books the one before: the first decode step only launches and one more step at the end only
-    books, so the steps' total time over the output_len - 1 passes is what a pass takes."""
+def run_once(engine, batch_size: int, input_len: int, output_len: int, seed: int) -> tuple[float, list[float]]:
+    """-> (the prefill step's seconds, the seconds of the decode steps that each launch a pass and book
+    the one before). With overlap the first decode step only launches, and the last only books and
+    lets the whole batch go (without overlap it also runs the last pass): both are left out."""
     import torch
 
     from nano.sampling import SamplingParams
@@ -86,7 +85,7 @@ def run_once(engine, batch_size: int, input_len: int, output_len: int, seed: int
         started = time.perf_counter()
         engine.step()  # returns once the tokens it hands out are on the host
         step_times.append(time.perf_counter() - started)
-    return step_times[0], sum(step_times[1:]) / (output_len - 1)
+    return step_times[0], step_times[2:-1]
 
 
 def build_parser() -> ArgumentParser:
@@ -108,8 +107,8 @@ def build_parser() -> ArgumentParser:
 def run(args):
     import torch
 
-    if min(args.batch_size) < 1 or args.input_len < 1 or args.output_len < 2:
-        raise UsageError("--batch-size and --input-len must be >= 1, --output-len >= 2")
+    if min(args.batch_size) < 1 or args.input_len < 1 or args.output_len < 3:
+        raise UsageError("--batch-size and --input-len must be >= 1, --output-len >= 3 (the first and last decode steps are not timed)")
     if args.peak_bandwidth is not None and not 0 < args.peak_bandwidth < math.inf:
         raise UsageError(f"--peak-bandwidth must be a positive number of GB/s, got {args.peak_bandwidth}")
     if args.model is None:
@@ -146,10 +145,11 @@ def run(args):
 
     for bs in args.batch_size:
         run_once(engine, bs, args.input_len, args.output_len, seed=0)  # warm-up
-        prefill_s, step_s = run_once(engine, bs, args.input_len, args.output_len, seed=1)
+        prefill_s, decode_s = run_once(engine, bs, args.input_len, args.output_len, seed=1)
+        step_s = statistics.median(decode_s)
         print(f"batch size {bs}")
         print(f"Prefill. latency: {prefill_s:.5f} s, throughput: {bs * args.input_len / prefill_s:9.2f} token/s")
-        print(f"Decode.  latency: {step_s:.5f} s a step, throughput: {bs / step_s:9.2f} token/s")
+        print(f"Decode.  median latency: {step_s:.5f} s, median throughput: {bs / step_s:9.2f} token/s")
         weights = weight_bytes_per_step(engine.model, bs)
         # the KV read by a middle decode step: every request holds about input_len + output_len / 2 tokens
         kv = bs * (args.input_len + args.output_len // 2) * engine.kv_bytes_per_token
