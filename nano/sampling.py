@@ -2,7 +2,8 @@
 
 Every request carries its own settings, so one batch may mix greedy and sampled requests:
 - temperature 0 is greedy (argmax); otherwise logits are divided by the temperature,
-- top-k keeps the k most likely tokens, top-p the smallest set whose probability reaches p,
+- top-k keeps the k most likely tokens, then top-p the smallest set of those whose probability,
+  renormalised over them, reaches p,
 - a request with a seed draws from its own random generator, so its output does not depend on
   which other requests happen to share its batch.
 Log-probabilities, for a request that asks (`logprobs`: how many likeliest alternatives to list,
@@ -92,11 +93,11 @@ def _top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
     top_p = to_device([p.top_p for p in params], torch.float32, device)
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=device)
-    # keep a token if it is within the top k and the probability mass before it is below p; the
-    # likeliest always stays (a p below float32's range reads as 0, and nothing is below 0)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    keep = (rank[None, :] < top_k[:, None]) & ((mass_before < top_p[:, None]) | (rank[None, :] == 0))
-    sorted_probs = sorted_probs * keep
+    sorted_probs = sorted_probs * (rank[None, :] < top_k[:, None])
+    # then top-p over the k left, renormalised (HF's and vLLM's order): keep a token while the mass
+    # before it is below p; the likeliest always stays (a p below float32's range reads as 0)
+    mass_before = (sorted_probs.cumsum(dim=-1) - sorted_probs) / sorted_probs.sum(dim=-1, keepdim=True)
+    sorted_probs = sorted_probs * ((mass_before < top_p[:, None]) | (rank[None, :] == 0))
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
 

@@ -43,3 +43,24 @@ def test_settings_below_float32s_range_act_as_their_limit():
     params = [SamplingParams(temperature=1e-300), SamplingParams(temperature=1.0, top_p=1e-50),
               SamplingParams(temperature=1e-7, top_k=3)]
     assert (draw(logits, params, 50) == logits.argmax(-1)).all()
+
+
+def test_top_k_then_top_p_keeps_the_tokens_hf_keeps():
+    """Top-p applies to what top-k leaves, renormalised, as HF's warpers (and vLLM) apply them:
+    with probabilities .35 .25 .2 .2, top-k 2 and top-p .55, only the first token is left."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    from nano.sampling import _top_k_top_p
+
+    torch.manual_seed(2)
+    logits = torch.randn(64, 40) * 2
+    logits[0, :4] = torch.log(torch.tensor([0.35, 0.25, 0.2, 0.2]))
+    logits[0, 4:] = -1e4
+    ks = [2] + torch.randint(1, 41, (63,)).tolist()
+    ps = [0.55] + torch.rand(63).clamp(min=0.01).tolist()
+    params = [SamplingParams(temperature=1.0, top_k=k, top_p=p) for k, p in zip(ks, ps)]
+    kept = _top_k_top_p(torch.softmax(logits, dim=-1), params) > 0
+    for row, (k, p) in enumerate(zip(ks, ps)):
+        hf = TopPLogitsWarper(p)(None, TopKLogitsWarper(k)(None, logits[row : row + 1].clone()))
+        assert torch.equal(kept[row], torch.isfinite(hf[0])), (row, k, p)
+    assert kept[0].nonzero().flatten().tolist() == [0]
