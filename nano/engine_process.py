@@ -167,15 +167,19 @@ def _step(engine, requests: dict) -> list:
             engine.abort(requests.pop(sid))
         return [(sid, error) for sid in failed]
     events = []
-    for req, token in out:
+    # a step may hand out two tokens of one request (a pass booked before a retraction, and the pass
+    # launched after it): a finished request's last token is its last in `out`
+    last = {req.rid: i for i, (req, _) in enumerate(out)}
+    for i, (req, token) in enumerate(out):
         sid = by_rid[req.rid]
-        reason = None if not req.finished else "stop" if token in req.stop_ids else "length"
+        done = req.finished and last[req.rid] == i
+        reason = None if not done else "stop" if token in req.stop_ids else "length"
         event = Token(token, reason)
         if req.params.logprobs is not None:  # the engine computed them with the token
             computed = engine.logprobs[req.rid]
             event.logprob, event.top_logprobs = computed.tokens.popleft()
             event.prompt_logprobs, computed.prompt = computed.prompt, None  # once, with the first token
-        if req.finished:
+        if done:
             del requests[sid]
             engine.logprobs.pop(req.rid, None)
         events.append((sid, event))

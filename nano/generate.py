@@ -50,14 +50,18 @@ def run(args):
     # the token loop: every token the engine produces, as it comes
     decoders = {r.rid: StreamDecoder(tokenizer, r.prompt_ids) for r in requests}
     texts = {r.rid: [] for r in requests}
+    whole = set()  # requests whose every token is here: one is finished when its last token is
+    # booked, which can be a step before this loop has it (two requests ending together, overlap)
     next_to_print = 0
     for req, token in engine.stream():
-        piece = decoders[req.rid].push(token)
+        last = req.finished and len(texts[req.rid]) + 1 == len(req.output_ids)
+        texts[req.rid].append(decoders[req.rid].push(token, last))
+        if last:
+            whole.add(req.rid)
         if len(requests) == 1:
-            print(piece, end="", flush=True)
+            print(texts[req.rid][-1], end="", flush=True)
             continue
-        texts[req.rid].append(piece)
-        while next_to_print < len(requests) and requests[next_to_print].finished:
+        while next_to_print < len(requests) and requests[next_to_print].rid in whole:
             print(f"--- prompt {next_to_print + 1} ---\n{''.join(texts[requests[next_to_print].rid])}", flush=True)
             next_to_print += 1
     if len(requests) == 1:

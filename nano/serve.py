@@ -221,13 +221,13 @@ async def _pieces(stream: Stream, event, detokenizer: Detokenizer, client: Engin
     while True:
         if isinstance(event, APIError):
             raise event
-        text, stopped = detokenizer.push(event.id)
+        text, stopped = detokenizer.push(event.id, last=event.finish_reason is not None)
         if stopped:
             client.abort(stream)
             yield text, event, "stop"
             return
         if event.finish_reason:
-            yield text + detokenizer.held, event, event.finish_reason
+            yield text, event, event.finish_reason
             return
         yield text, event, None
         event = await stream.events.get()

@@ -157,12 +157,14 @@ class StreamDecoder:
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
 
-    def push(self, token_id: int) -> str:
-        """Add one token; return the text it completes ("" while a character is still unfinished)."""
+    def push(self, token_id: int, last: bool = False) -> str:
+        """Add one token; return the text it completes ("" while a character is still unfinished).
+        The stream's `last` token returns all that is left, a character it leaves unfinished as
+        U+FFFD, as the whole output decodes."""
         self._ids.append(token_id)
         printed = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
         text = self._tokenizer.decode(self._ids[self._prefix_offset :])
-        if len(text) <= len(printed) or text.endswith(REPLACEMENT_CHAR):
+        if not last and (len(text) <= len(printed) or text.endswith(REPLACEMENT_CHAR)):
             return ""
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
@@ -178,14 +180,18 @@ class Detokenizer:
         self.decoder = StreamDecoder(tokenizer, context_ids) if tokenizer else None
         self.stop, self.held = stop, ""
 
-    def push(self, token: int) -> tuple[str, bool]:
-        """-> (text to send now, whether a stop string was reached)."""
+    def push(self, token: int, last: bool = False) -> tuple[str, bool]:
+        """-> (text to send now, whether a stop string was reached); the request's `last` token
+        sends all that is left."""
         if self.decoder is None:
             return "", False
-        text = self.held + self.decoder.push(token)
+        text = self.held + self.decoder.push(token, last)
         cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
         if cuts:
             return text[: min(cuts)], True
+        if last:
+            self.held = ""
+            return text, False
         held = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
         self.held = text[len(text) - held :]
         return text[: len(text) - held], False

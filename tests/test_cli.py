@@ -321,3 +321,17 @@ def test_ctrl_c_exits_130_without_traceback(smollm2_dir, when):
     # instead of exit(130). A shell reports both as status 130; an uncaught one would print a traceback.
     assert proc.returncode in (130, -signal.SIGINT), stderr
     assert "Traceback" not in stderr, stderr
+
+
+def test_several_prompts_that_end_on_the_same_step_print_every_token(tiny_model):
+    """Prompts that finish in one step (the same --max-new-tokens, --ignore-eos) each print their
+    whole completion, as the same prompt run alone prints it: none loses its last token."""
+    prompts, flags = ["hi", "Name a colour."], ("--max-new-tokens", "6", "--ignore-eos")
+    alone = []
+    for prompt in prompts:
+        result = run_cli("--model", str(tiny_model), "--prompt", prompt, *flags)
+        assert result.returncode == 0, result.stderr
+        alone.append(result.stdout.removesuffix("\n"))
+    result = run_cli("--model", str(tiny_model), "--prompt", prompts[0], "--prompt", prompts[1], *flags)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "".join(f"--- prompt {i + 1} ---\n{text}\n" for i, text in enumerate(alone))

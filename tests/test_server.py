@@ -514,3 +514,60 @@ def test_empty_api_key_is_refused_at_start():
 def test_bench_serving_without_a_server_is_one_line():
     result = run_cli("--base-url", f"http://127.0.0.1:{free_port()}", module="nano.bench_serving")
     assert_one_line_error(result, "no server answers at")
+
+
+def test_text_held_in_a_split_character_is_sent_when_the_request_ends(smollm2_dir):
+    """A request that ends (here by max_tokens) part-way through a character's UTF-8 bytes still
+    sends what its tokens decode to, as its token_ids say: the text held back is flushed."""
+    from nano.engine_process import Stream, Token
+    from nano.sampling import SamplingParams
+    from nano.serve import _collect, _pieces
+    from nano.tokenizer import Detokenizer
+
+    tokenizer = Tokenizer(smollm2_dir)
+    ids = tokenizer.encode_text("Hi 🎉")[:-1]  # " \xf0\x9f" and "\x8e" of 🎉, without its last byte
+    tokens = [Token(t, None) for t in ids[:-1]] + [Token(ids[-1], "length")]
+
+    async def pieces():
+        stream = Stream(prompt_ids=[1], params=SamplingParams(), stop_ids=set())
+        for token in tokens[1:]:
+            stream.events.put_nowait(token)
+        return await _collect(_pieces(stream, tokens[0], Detokenizer(tokenizer, [], ["never"]), client=None))
+
+    collected = asyncio.run(pieces())
+    assert "".join(text for text, _, _ in collected) == tokenizer.decode(ids) == "Hi \ufffd"
+    assert collected[-1][2] == "length"
+
+
+def test_a_step_that_hands_out_two_tokens_of_a_request_ends_its_stream_on_the_second(tiny_model):
+    """Overlap: when the pool runs short the engine books the pass in flight, launches the next
+    over the requests left after a retraction, and books that one too (the victim waits to be
+    prefilled again): one step hands out two tokens of each running request. A request whose
+    budget ends with the second gets finish_reason on that one only, and the engine loop goes on."""
+    from nano.engine_process import _step
+    from nano.sampling import SamplingParams
+    from tests.helpers import random_prompts
+
+    prompts = random_prompts([20] * 4, 49152, seed=6)
+
+    def run(budgets):
+        engine = Engine(tiny_model, EngineConfig(max_total_tokens=320, log=False))
+        requests = {i: engine.add_request(p, SamplingParams(max_new_tokens=b, ignore_eos=True))
+                    for i, (p, b) in enumerate(zip(prompts, budgets))}
+        events, doubled = {i: [] for i in requests}, []
+        while engine.has_work():
+            engine.scheduler.new_token_ratio = 0.05  # admit all four at once: they outgrow the pool
+            step = _step(engine, requests)
+            for sid, event in step:
+                events[sid].append(event)
+            if len(step) > len({sid for sid, _ in step}):
+                doubled.append((step[-1][0], len(events[step[-1][0]])))  # a request with two, its tokens
+        return engine, events, doubled
+
+    _, _, doubled = run([200] * 4)
+    assert doubled
+    sid, tokens = doubled[0]
+    budgets = [tokens if i == sid else 200 for i in range(4)]  # its budget ends with that step's second token
+    _, events, _ = run(budgets)
+    for sid, budget in enumerate(budgets):
+        assert [e.finish_reason for e in events[sid]] == [None] * (budget - 1) + ["length"], sid
