@@ -5,12 +5,14 @@ which becomes a 400 in OpenAI's error JSON. The schemas are strict: an unknown f
 this server lacks, and silently ignoring it would give a client an answer to a question it did
 not ask. Some clients send fields of features nano lacks with every request, in their "off"
 value; those are accepted when off (or null) and refused otherwise: one table, `OFF_VALUES`,
-read before the schemas. The sampling settings are checked once, by `SamplingParams.validate`,
+read before the schemas. Any other field sent as null takes its default, as OpenAI's API reads it. The sampling settings are checked once, by `SamplingParams.validate`,
 the same check `generate` runs.
 
 A completion's `prompt` may be several (strings or token-id lists), and `n` asks for n samples of
-each: choice `prompt * n + j`. With a seed s, sample j draws with seed s + j (mod 2^63), so the
-samples differ and a repeated request gets them again. `top_k` -1 is off, as in vLLM and SGLang.
+each: choice `prompt * n + j`. With a seed s (any int64), sample j draws with seed s + j (mod
+2^63), so the samples differ and a repeated request gets them again. `top_k` -1 is off, as in vLLM
+and SGLang. A completion's `max_tokens` 0 with `echo` scores the prompt alone (its logprobs), as
+OpenAI's legacy API and vLLM do.
 """
 
 import json
@@ -18,7 +20,7 @@ import re
 from typing import Annotated, Literal
 
 from fastapi import Request as HTTPRequest
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from nano.engine_process import APIError
 from nano.sampling import MAX_LOGPROBS, SamplingParams
@@ -50,7 +52,7 @@ class GenerationRequest(StrictModel):
     temperature: float = 1.0  # OpenAI's default; 0 is greedy
     top_p: float = 1.0
     top_k: int = Field(0, ge=-1)  # 0 or -1: off
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-2**63, lt=2**63)  # any int64, as vLLM takes it
     stop: StopString | list[StopString] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -64,8 +66,8 @@ class GenerationRequest(StrictModel):
 
     def sampling_params(self, max_new_tokens: int, sample: int = 0) -> SamplingParams:
         """The settings of each prompt's `sample`-th choice."""
-        # s + j, kept in the seeds' int64 range; the seed sent is checked as sample 0's, which runs first
-        seed = self.seed if self.seed is None or sample == 0 else (self.seed + sample) % 2**63
+        # s + j, kept in the generators' range [0, 2^63) (a negative seed too)
+        seed = None if self.seed is None else (self.seed + sample) % 2**63
         params = SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), seed=seed,
                                 max_new_tokens=max_new_tokens, ignore_eos=self.ignore_eos, **self.logprob_params())
         try:
@@ -77,8 +79,15 @@ class GenerationRequest(StrictModel):
 
 class CompletionRequest(GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]  # one prompt or several, as text or token ids
+    max_tokens: int | None = Field(None, ge=0)  # 0 with echo: the prompt and its logprobs alone
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # how many likeliest alternatives per token
     echo: bool = False  # the prompt first, in the text and (with logprobs) in the logprobs
+
+    @model_validator(mode="after")
+    def _zero_tokens_only_with_echo(self):  # as vLLM: one token is computed and left out of the answer
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens: must be >= 1 (0 only with echo: true)", param="max_tokens")
+        return self
 
     def logprob_params(self) -> dict:
         return {"logprobs": self.logprobs, "prompt_logprobs": self.echo and self.logprobs is not None}
@@ -152,7 +161,7 @@ def _is_off(value, off_values: tuple) -> bool:
 
 async def parse(http: HTTPRequest, schema: type[StrictModel], model_name: str):
     """The request body as `schema`, or the APIError that says what is wrong with it."""
-    data = await read_json(http)
+    data = {key: value for key, value in (await read_json(http)).items() if value is not None}  # null: the default
     for name, off_values in OFF_VALUES.items():
         if not _is_off(data.pop(name, None), off_values):
             shown = " or ".join(json.dumps(v) for v in off_values)

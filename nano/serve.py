@@ -120,7 +120,8 @@ async def tokenize(http: HTTPRequest):
 async def detokenize(http: HTTPRequest):
     state = http.app.state
     body = await parse(http, DetokenizeRequest, state.model_name)
-    return {"prompt": need_tokenizer(state, "detokenize").decode(checked_ids(state, body.tokens, "tokens"))}
+    ids = checked_ids(state, body.tokens, "tokens")  # decoded as vLLM's: special tokens too, what /tokenize took
+    return {"prompt": need_tokenizer(state, "detokenize").decode(ids, special_tokens=True)}
 
 
 @router.get("/tokenizer_info", dependencies=[Depends(check_api_key)])
@@ -182,7 +183,7 @@ async def generate(http: HTTPRequest, body, prompts: list[list[int]], chat: bool
                            f"and {max_tokens} to generate do not fit", param="max_tokens")
     if body.stop and state.tokenizer is None:
         raise APIError(400, "stop strings need a tokenizer; this server has none (see --tokenizer)", param="stop")
-    max_new_tokens = max_tokens or (context if chat else DEFAULT_COMPLETION_TOKENS)
+    max_new_tokens = 1 if max_tokens == 0 else max_tokens or (context if chat else DEFAULT_COMPLETION_TOKENS)
     streams = [Stream(ids, body.sampling_params(max_new_tokens, j), state.stop_ids) for ids in prompts
                for j in range(body.n)]
     for stream in streams:
@@ -271,6 +272,7 @@ class Answer:
         if chat:
             self.head["object"] = "chat.completion.chunk" if body.stream else "chat.completion"
         self.echo = not chat and body.echo
+        self.prompt_only = self.echo and body.max_tokens == 0  # echo alone: the one token computed is left out
         if self.echo:  # a text prompt as sent (as vLLM echoes it); token ids as their text, special tokens too
             self.echoed = [p if isinstance(p, str) else self.tokenizer.decode(p, special_tokens=True)
                            if self.tokenizer else "" for p in prompt_list(body.prompt)]
@@ -279,6 +281,8 @@ class Answer:
 
     def choice(self, index: int, texts: list[str], tokens: list[Token], reasons: list, first: bool = True) -> dict:
         """Choice `index` of the response, or its part in one event (`first`: the choice's first)."""
+        prompt_logprobs = tokens[0].prompt_logprobs if tokens else None
+        texts, tokens, reasons = ([], [], ["length"]) if self.prompt_only else (texts, tokens, reasons)
         text, prompt = "".join(texts), self.prompts[index // self.body.n]
         if self.echo and first:
             text = self.echoed[index // self.body.n] + text
@@ -292,7 +296,7 @@ class Answer:
         if self.logprobs:
             entries = [(t.id, t.logprob, t.top_logprobs) for t in tokens]
             if self.echo and first:  # the first prompt token has no logprob: nothing comes before it
-                echoed = [(t, *entry) for t, entry in zip(prompt[1:], tokens[0].prompt_logprobs)]
+                echoed = [(t, *entry) for t, entry in zip(prompt[1:], prompt_logprobs)]
                 entries = [(prompt[0], None, None)] + echoed + entries
             logprobs = self.chat_logprobs(entries) if self.chat else self.completion_logprobs(index, entries)
         return {"index": index, **content, "token_ids": [t.id for t in tokens], "logprobs": logprobs,
@@ -303,7 +307,9 @@ class Answer:
         for text in texts:
             offsets.append(self.offsets[index])
             self.offsets[index] += len(text)
-        tops = [None if top is None else {self.token_text(t): v for t, v in top} for _, _, top in entries]
+        # OpenAI's and vLLM's list the chosen token too: up to logprobs + 1 entries
+        tops = [None if top is None else {self.token_text(token): logprob, **{self.token_text(t): v for t, v in top}}
+                for token, logprob, top in entries]
         return {"tokens": texts, "token_logprobs": [logprob for _, logprob, _ in entries], "top_logprobs": tops,
                 "text_offset": offsets}
 
@@ -319,6 +325,7 @@ class Answer:
         return self.tokenizer.token_text(token) if self.tokenizer else f"token_id:{token}"  # vLLM's form
 
     def usage(self, n: int) -> dict:
+        n = 0 if self.prompt_only else n
         prompt_tokens = sum(map(len, self.prompts))
         return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
 

@@ -571,3 +571,62 @@ def test_a_step_that_hands_out_two_tokens_of_a_request_ends_its_stream_on_the_se
     _, events, _ = run(budgets)
     for sid, budget in enumerate(budgets):
         assert [e.finish_reason for e in events[sid]] == [None] * (budget - 1) + ["length"], sid
+def test_null_takes_the_default(server):
+    """OpenAI's API marks these fields nullable and vLLM reads null as the default; clients send them."""
+    nulls = dict(temperature=None, top_p=None, n=None, stream=None, seed=None, stop=None, user=None)
+    status, reply = call(server, "/v1/completions", dict(prompt="hi", max_tokens=None, echo=None, logprobs=None, **nulls))
+    assert status == 200 and len(reply["choices"]) == 1 and reply["usage"]["completion_tokens"] <= 16, reply
+    status, reply = call(server, "/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                                             logprobs=None, top_logprobs=None, **nulls))
+    assert status == 200 and reply["usage"]["completion_tokens"] <= 2, reply
+
+
+def test_detokenize_gives_back_what_tokenize_took(server):
+    """vLLM's /detokenize keeps special tokens (lm-eval decodes token ids through it and sends the text back)."""
+    prompt = "<|im_start|>user\nHi<|im_end|>\n"
+    ids = call(server, "/tokenize", {"prompt": prompt})[1]["tokens"]
+    status, reply = call(server, "/detokenize", {"tokens": ids})
+    assert status == 200 and reply["prompt"] == prompt
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_without_generation(server, stream):
+    """max_tokens 0 with echo: the prompt and its logprobs only, as OpenAI's legacy API and vLLM answer it."""
+    ids = call(server, "/tokenize", {"prompt": PROMPT})[1]["tokens"]
+    body = dict(prompt=PROMPT, max_tokens=0, echo=True, logprobs=1)
+    if stream:
+        events = asyncio.run(read_stream_once(server, "/v1/completions", dict(body, stream_options={"include_usage": True})))
+        (chunk,), usage, done = events[:-2], events[-2]["usage"], events[-1]
+        choice = chunk["choices"][0]
+    else:
+        status, reply = call(server, "/v1/completions", body)
+        assert status == 200, reply
+        choice, usage = reply["choices"][0], reply["usage"]
+    assert choice["text"] == PROMPT and choice["token_ids"] == [] and choice["finish_reason"] == "length"
+    assert len(choice["logprobs"]["tokens"]) == len(ids) and choice["logprobs"]["token_logprobs"][0] is None
+    assert usage == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    one = call(server, "/v1/completions", dict(body, max_tokens=1, temperature=0))[1]["choices"][0]["logprobs"]
+    assert one["token_logprobs"][: len(ids)] == choice["logprobs"]["token_logprobs"]
+    status, reply = call(server, "/v1/completions", dict(prompt=PROMPT, max_tokens=0))  # without echo: nothing to answer
+    assert status == 400 and reply["error"]["param"] == "max_tokens", reply
+
+
+def test_any_int64_seed_is_taken(server):
+    """vLLM takes any int64 seed, negative ones too; a repeated request gets the same samples."""
+    body = dict(prompt="hi", max_tokens=4, temperature=1.0, n=2)
+    for seed in (-1, -2**63, 2**63 - 1):
+        status, reply = call(server, "/v1/completions", dict(body, seed=seed))
+        assert status == 200, reply
+        assert reply == {**call(server, "/v1/completions", dict(body, seed=seed))[1], "id": reply["id"], "created": reply["created"]}
+    assert call(server, "/v1/completions", dict(body, seed=2**63))[0] == 400
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_completion_top_logprobs_hold_the_chosen_token(server, k):
+    """OpenAI's legacy logprobs: "the API will always return the logprob of the sampled token, so there may be
+    up to logprobs+1 elements"; vLLM's do the same, prompt tokens' (echo) too."""
+    reply = call(server, "/v1/completions", dict(prompt=PROMPT, max_tokens=6, logprobs=k, echo=True, seed=0))[1]
+    logprobs = reply["choices"][0]["logprobs"]
+    assert logprobs["top_logprobs"][0] is None
+    for token, logprob, top in list(zip(*(logprobs[key] for key in ("tokens", "token_logprobs", "top_logprobs"))))[1:]:
+        assert top[token] == logprob and len(top) <= k + 1
