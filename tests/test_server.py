@@ -597,6 +597,7 @@ def test_echo_without_generation(server, stream):
     if stream:
         events = asyncio.run(read_stream_once(server, "/v1/completions", dict(body, stream_options={"include_usage": True})))
         (chunk,), usage, done = events[:-2], events[-2]["usage"], events[-1]
+        assert done == "[DONE]"
         choice = chunk["choices"][0]
     else:
         status, reply = call(server, "/v1/completions", body)
