@@ -258,8 +258,12 @@ class Engine:
         logit_rows, ends = self._logit_rows(chunks)
         if len(logit_rows) > len(chunks):
             batch.logit_rows = to_device(logit_rows, torch.int64, self.device)
-        logits = self.forward(batch)
-        self._prompt_logprobs(chunks, logits, ends)
+        try:
+            logits = self.forward(batch)
+            self._prompt_logprobs(chunks, logits, ends)
+        except BaseException:  # the caller aborts these requests, and a release gives back what they
+            self.slots.free(slots)  # held before this pass: the slots it took for them go back here
+            raise
         done = self.scheduler.prefilled(chunks)
         if not done:
             return []

@@ -114,3 +114,33 @@ def test_a_prompt_retracted_part_way_counts_once_as_a_prompt(tmp_path):
         retracted_part_way |= prefilled is not None and late.status is Status.RETRACTED
     assert retracted_part_way and engine.stats["retractions"] == 1 and len(late.output_ids) == 3
     assert engine.stats["prefill_tokens"] == 20 + 30 and engine.stats["recomputed_tokens"] > 0
+
+
+@pytest.mark.parametrize("failing_pass", [1, 2])  # the first chunk of a prompt, or a later one
+def test_a_prefill_that_raises_gives_back_the_slots_it_took(tmp_path, failing_pass):
+    """A step that raises fails the requests it ran and the engine serves on (engine_process._step):
+    the slots the failed extend pass took go back to the pool, so that later a request that needs
+    the whole context still runs (with a slot missing, its last decode step finds no room)."""
+    from nano.engine_process import _step
+
+    save_tiny_llama(tmp_path, "gqa")
+    engine = Engine(tmp_path, EngineConfig(max_total_tokens=64, chunked_prefill_size=3, log=False))
+    real_model, passes = engine.model, {"done": 0}
+
+    def model(batch, attn):
+        passes["done"] += 1
+        if passes["done"] == failing_pass:
+            raise RuntimeError("injected fault")
+        return real_model(batch, attn)
+
+    engine.model = model
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    requests = {0: engine.add_request([5, 6, 7, 8, 9], params)}
+    while requests:
+        _step(engine, requests)
+    assert not engine.has_work() and engine.prefix_cache.locked_size == 0
+    assert engine.slots.available + engine.prefix_cache.size == 64
+    engine.model = real_model
+    whole_context = SamplingParams(max_new_tokens=61, ignore_eos=True)
+    plain = Engine(tmp_path, EngineConfig(max_total_tokens=64, radix_cache=False, log=False))
+    assert engine.generate([[11, 12, 13]], whole_context) == plain.generate([[11, 12, 13]], whole_context)

@@ -631,3 +631,34 @@ def test_completion_top_logprobs_hold_the_chosen_token(server, k):
     assert logprobs["top_logprobs"][0] is None
     for token, logprob, top in list(zip(*(logprobs[key] for key in ("tokens", "token_logprobs", "top_logprobs"))))[1:]:
         assert top[token] == logprob and len(top) <= k + 1
+def test_a_request_that_a_failed_step_retracted_gets_no_gap_in_its_stream(tmp_path):
+    """A decode step books the pass in flight (a token for every running request), retracts one of
+    them to make room, then its own pass raises. The retracted request is queued again, but the token
+    booked for it was never sent: it must fail too, not stream on with a token missing."""
+    from nano.engine_process import Token, _step
+    from nano.sampling import SamplingParams
+    from tests.helpers import save_tiny_llama
+
+    save_tiny_llama(tmp_path, "gqa")
+    engine = Engine(tmp_path, EngineConfig(max_total_tokens=32, log=False))
+    real_model, retract, retracted, faults = engine.model, engine.scheduler.retract, [], []
+    engine.scheduler.retract = lambda req: (retracted.append(req), retract(req))
+
+    def model(batch, attn):  # the first pass after the first retraction raises
+        if retracted and not faults:
+            faults.append(batch)
+            raise RuntimeError("injected fault")
+        return real_model(batch, attn)
+
+    engine.model = model
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    requests = {sid: engine.add_request(prompt, params) for sid, prompt in enumerate([[5, 6, 7, 8], [9, 10, 11, 12]])}
+    reqs, streamed = dict(requests), {0: [], 1: []}
+    while requests:
+        engine.scheduler.new_token_ratio = 0.1  # admit both: together they outgrow the pool of 32
+        for sid, event in _step(engine, requests):
+            streamed[sid].append(event.id if isinstance(event, Token) else "error")
+    assert faults and retracted[0] in reqs.values()
+    for sid, req in reqs.items():  # each stream: every token its request got, or a prefix of them and an error
+        tokens, error = (streamed[sid][:-1], True) if streamed[sid][-1:] == ["error"] else (streamed[sid], False)
+        assert tokens == req.output_ids[: len(tokens)] and (error or tokens == req.output_ids), sid
