@@ -356,6 +356,9 @@ def _argmax_slices_kernel(x_ptr, best_ptr, index_ptr, width, row_stride, num_sli
     row, piece = tl.program_id(0).to(tl.int64), tl.program_id(1)
     cols = piece * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + row * row_stride + cols, mask=cols < width, other=float("-inf")).to(tl.float32)
+    # NaN as +inf, larger than any value as torch's argmax counts it: a comparison with NaN is false,
+    # so a NaN row would end on a masked lane's index, past the vocabulary
+    x = tl.where(x != x, float("inf"), x)
     best, at = tl.max(x, 0, return_indices=True)  # the first of equal values
     tl.store(best_ptr + row * num_slices + piece, best)
     tl.store(index_ptr + row * num_slices + piece, piece * BLOCK + at)

@@ -115,7 +115,7 @@ def check_argmax(num_rows: int, width: int, dtype: torch.dtype):
     with random values (ties between the largest are common in bfloat16), then with each row's
     largest value planted three times: at a random place, beside it, and at the row's end (another
     slice, unless the row is one). The first of equal values must win, as in torch's argmax (the
-    interpreter ignores Triton's tie-break: only the GPU tests check it)."""
+    interpreter ignores Triton's tie-break: only the GPU tests check it). Then NaN in the first row."""
     wide = randn(num_rows, width + 3, dtype=dtype)
     wide[:, width:] = 100.0
     x = wide[:, :width]
@@ -127,6 +127,12 @@ def check_argmax(num_rows: int, width: int, dtype: torch.dtype):
         x[rows, at] = 10.0
     with nan_allocations():
         assert torch.equal(argmax(x), first)
+    x[0, -1] = float("nan")  # NaN counts as larger than any value, as in torch's argmax
+    with nan_allocations():
+        assert argmax(x)[0] == width - 1
+    x[0] = float("nan")  # a row gone NaN (an overflow upstream) picks the first token, not one past the vocabulary
+    with nan_allocations():
+        assert argmax(x)[0] == 0
 
 
 # ---------------------------------------------------------------- small, odd sizes (CPU: interpreter)
