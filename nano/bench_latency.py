@@ -67,9 +67,9 @@ def weight_bytes_per_step(model, batch_size: int) -> float:
 
 
 def run_once(engine, batch_size: int, input_len: int, output_len: int, seed: int) -> tuple[float, list[float]]:
-    """-> (the prefill step's seconds, the seconds of the decode steps that each launch a pass and book
-    the one before). With overlap the first decode step only launches, and the last only books and
-    lets the whole batch go (without overlap it also runs the last pass): both are left out."""
+    """-> (the prefill step's seconds, the seconds of the middle decode steps). With overlap a step
+    launches one pass and books the one before, so the first decode step only launches: left out;
+    without overlap every step runs a whole pass. The last step lets the whole batch go: left out."""
     import torch
 
     from nano.sampling import SamplingParams
@@ -85,7 +85,7 @@ def run_once(engine, batch_size: int, input_len: int, output_len: int, seed: int
         started = time.perf_counter()
         engine.step()  # returns once the tokens it hands out are on the host
         step_times.append(time.perf_counter() - started)
-    return step_times[0], step_times[2:-1]
+    return step_times[0], step_times[2 if engine.config.overlap else 1 : -1]
 
 
 def build_parser() -> ArgumentParser:
@@ -134,7 +134,7 @@ def run(args):
     print(f"{args.model}: {engine.cfg.architecture}, {engine.dtype}, {engine.device}{ranks}, CUDA graphs {graphs}, "
           f"attention {type(engine.attn).__name__}")
     peak = None  # bytes/s of the floor: given, or measured now
-    if args.peak_bandwidth and engine.device.type == "cuda":
+    if args.peak_bandwidth:
         peak = args.peak_bandwidth * 1e9
         print(f"peak bandwidth {args.peak_bandwidth:.0f} GB/s (given)")
     elif engine.device.type == "cuda":

@@ -191,8 +191,11 @@ def ms(seconds: list[float]) -> list[float]:
 
 
 def percentile(values: list[float], q: float) -> float:
+    """numpy's default (linear between the two nearest ranks), as vLLM's and SGLang's benchmarks report."""
     ranked = sorted(values)
-    return ranked[min(int(len(ranked) * q / 100), len(ranked) - 1)]
+    position = (len(ranked) - 1) * q / 100
+    low, high = int(position), min(int(position) + 1, len(ranked) - 1)
+    return ranked[low] + (ranked[high] - ranked[low]) * (position - low)
 
 
 def build_parser() -> ArgumentParser:
@@ -256,8 +259,11 @@ async def benchmark(args):
         poller = asyncio.create_task(poll_running(session, args.base_url, peak))
         results, duration = await send_all(session, args, prompts, card["id"])
         poller.cancel()
-        async with session.get(args.base_url + "/health") as resp:
-            counters = (await resp.json()).get("engine", {})
+        try:
+            async with session.get(args.base_url + "/health") as resp:
+                counters = (await resp.json()).get("engine", {})
+        except aiohttp.ClientError:  # the server has gone: the requests' errors say so in the report
+            counters = {}
     report(args, results, duration)
     print(f"Most requests running at once: {peak['running']}; retractions: {counters.get('retractions')}, "
           f"tokens recomputed: {counters.get('recomputed_tokens')} (the server's counts since it started)")
@@ -266,8 +272,11 @@ async def benchmark(args):
 async def poll_running(session, url: str, peak: dict):
     """Poll /health while the benchmark runs: the most requests the engine ran at once."""
     while True:
-        async with session.get(url + "/health") as resp:
-            peak["running"] = max(peak["running"], (await resp.json())["running"])
+        try:
+            async with session.get(url + "/health") as resp:
+                peak["running"] = max(peak["running"], (await resp.json())["running"])
+        except aiohttp.ClientError:  # a server gone mid-run fails the requests, not the benchmark
+            pass
         await asyncio.sleep(0.2)
 
 

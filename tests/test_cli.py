@@ -226,6 +226,29 @@ def test_bench_latency_computes_every_prompt_token(monkeypatch, capsys):
     assert capsys.readouterr().out.count("Prefill. latency") == 3
 
 
+@pytest.mark.parametrize("flags", [[], ["--disable-overlap"]])
+def test_bench_latency_times_the_middle_decode_steps(monkeypatch, capsys, flags):
+    """Of a request's output_len - 1 decode passes, the step that only launches the first (with overlap)
+    and the step that lets the batch go are left out: output_len - 2 steps timed, with overlap or without."""
+    from nano import bench_latency
+
+    timed, run_once = [], bench_latency.run_once
+    monkeypatch.setattr(bench_latency, "run_once", lambda *a, **k: timed.append(run_once(*a, **k)) or timed[-1])
+    bench_latency.main(["--device", "cpu", "--threads", "1", "--input-len", "8", "--output-len", "3", *flags])
+    assert [len(decode_s) for _, decode_s in timed] == [1, 1]  # the warm-up, then the timed run
+    assert "Decode.  median latency" in capsys.readouterr().out
+
+
+def test_bench_latency_floor_from_a_given_bandwidth_on_cpu(capsys):
+    """--peak-bandwidth needs no GPU: the floor is the bytes over the bandwidth given."""
+    from nano import bench_latency
+
+    bench_latency.main(["--device", "cpu", "--threads", "1", "--input-len", "8", "--output-len", "3",
+                        "--peak-bandwidth", "20"])
+    out = capsys.readouterr().out
+    assert "peak bandwidth 20 GB/s (given)" in out and "of the copy bandwidth (floor " in out
+
+
 @pytest.mark.parametrize("module", ["generate", "serve", "bench_latency", "bench_throughput", "bench_serving"])
 def test_every_flag_has_a_help_text(module):
     parser = importlib.import_module(f"nano.{module}").build_parser()

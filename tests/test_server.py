@@ -489,6 +489,45 @@ def test_bench_serving_counts_every_token(server, tmp_path, capsys):
     wait_until_idle(server)  # the hung-up requests were aborted, not left running to the context
 
 
+def test_bench_serving_percentiles_are_numpys():
+    """P99 as vLLM's and SGLang's benchmarks compute it (numpy's, interpolating between ranks): of 100
+    values, not the largest."""
+    import numpy as np
+
+    from nano.bench_serving import percentile
+
+    assert percentile([float(v) for v in range(1, 101)], 99) == pytest.approx(99.01)
+    for n in (1, 2, 7, 100, 1000):
+        values = np.random.default_rng(n).exponential(size=n).tolist()
+        for q in (50, 90, 99):
+            assert percentile(values, q) == pytest.approx(np.percentile(values, q))
+
+
+def test_bench_serving_reports_when_the_server_goes_away(tiny_model, tmp_path, monkeypatch, capsys):
+    """The server stops after the warm-up: every timed request fails, and the report still comes,
+    without a traceback from the /health calls around them."""
+    from nano import bench_serving
+
+    proc, url = start_server(tiny_model, tmp_path / "server.log", *SERVER_FLAGS)
+    send_all = bench_serving.send_all
+
+    async def stop_then_send(*args):
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0
+        return await send_all(*args)
+
+    monkeypatch.setattr(bench_serving, "send_all", stop_then_send)
+    try:
+        bench_serving.main(["--base-url", url, "--num-prompts", "3", "--random-input-len", "8",
+                            "--random-output-len", "2", "--request-rate", "20"])
+    finally:
+        proc.kill()  # a no-op once it has exited
+    captured = capsys.readouterr()
+    rows = dict(line.split(":", 1) for line in captured.out.splitlines() if ":" in line)
+    assert int(rows["Successful requests"]) == 0 and int(rows["Failed requests"]) == 3
+    assert "first failure: ClientConnectorError" in captured.err and "Traceback" not in captured.err
+
+
 @pytest.mark.parametrize("dataset, fragment", [("missing.jsonl", "not a JSONL file"), ("no-prompt.jsonl", "not a JSONL file"),
                                                ("not-json.jsonl", "not a JSONL file"), ("empty.jsonl", "has no prompts")])
 def test_bench_serving_bad_dataset_is_one_line(server, tmp_path, dataset, fragment):
