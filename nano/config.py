@@ -146,9 +146,13 @@ def _refuse_unsupported(raw: dict, arch: str, cfg: ModelConfig, source: str) -> 
     if slides and window < cfg.max_position_embeddings:
         raise ConfigError(f"{source}: sliding_window {window} is shorter than the context "
                           f"({cfg.max_position_embeddings}): nano has no sliding-window attention")
-    if raw.get("attention_bias") or raw.get("mlp_bias"):
+    # transformers' Llama and DeepSeek read both bias flags, Qwen3 attention_bias; Mistral and Qwen2
+    # fix their biases in code (Qwen2's: the q/k/v biases nano has), as Qwen3 its MLP's (none)
+    reads_attention_bias = arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "DeepseekV2ForCausalLM")
+    reads_mlp_bias = arch in ("LlamaForCausalLM", "DeepseekV2ForCausalLM")
+    if (reads_attention_bias and raw.get("attention_bias")) or (reads_mlp_bias and raw.get("mlp_bias")):
         raise ConfigError(f"{source}: attention_bias and mlp_bias are not supported (nano has q/k/v biases, as Qwen2)")
-    if raw.get("hidden_act", "silu") != "silu":
+    if raw.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers' "swish" is nn.SiLU
         raise ConfigError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported (nano's MLP is SiLU-gated)")
     if raw.get("quantization_config"):
         raise ConfigError(f"{source}: quantized checkpoints are not supported (nano loads 16- and 32-bit weights)")
@@ -163,8 +167,8 @@ def _parse_rope(raw: dict) -> tuple[float, dict | None]:
     theta = float(params.pop("rope_theta", raw.get("rope_theta", 10000.0)))
     legacy_type = params.pop("type", None)
     rope_type = params.pop("rope_type", None) or legacy_type or "default"
-    if rope_type == "default":
-        return theta, None
+    if rope_type in ("default", "dynamic"):  # dynamic NTK is the default rope up to max_position_embeddings,
+        return theta, None  # past which it changes the frequencies and nano never runs
     if rope_type not in ("linear", "llama3", "yarn"):
         raise ConfigError(f"unsupported rope scaling type {rope_type!r} (nano has linear, llama3, yarn)")
     params["rope_type"] = rope_type
@@ -172,8 +176,10 @@ def _parse_rope(raw: dict) -> tuple[float, dict | None]:
     if rope_type == "llama3":  # read now: one missing is a config error, not a KeyError while the model is built
         params["low_freq_factor"], params["high_freq_factor"] = (float(params[key]) for key in
                                                                  ("low_freq_factor", "high_freq_factor"))
-    if "original_max_position_embeddings" not in params and rope_type != "linear":
-        params["original_max_position_embeddings"] = raw["max_position_embeddings"]
+    if rope_type != "linear":  # transformers' order: a top-level value, the rope parameters', the context
+        if raw.get("original_max_position_embeddings") is not None:
+            params["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
+        params.setdefault("original_max_position_embeddings", raw["max_position_embeddings"])
     return theta, params
 
 

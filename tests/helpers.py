@@ -42,6 +42,12 @@ LLAMA_VARIANTS = {
     # YaRN's ramp between fractional channels: over 32 tokens it ends at channel 2.83, not 3
     "yarn-untruncated": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_parameters=dict(
         rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32, truncate=False)),
+    # dynamic NTK changes the frequencies only past max_position_embeddings, where nano never goes
+    "dynamic-rope": dict(num_attention_heads=4, num_key_value_heads=2, rope_parameters=dict(
+        rope_type="dynamic", rope_theta=10000.0, factor=2.0)),
+    # keys Qwen2's classes do not read (its q/k/v biases are fixed) and swish, transformers' other name for SiLU
+    "qwen2-ignored-keys": dict(family="Qwen2", num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
+                               mlp_bias=True, hidden_act="swish"),
 }
 
 

@@ -78,3 +78,23 @@ def test_family_fields():
 def test_shipped_qwen_shapes_load(shape):
     cfg = load_config(SHIPPED_CONFIGS / shape)
     assert cfg.head_dim == 128 and cfg.eos_token_ids == [151645]
+
+
+@pytest.mark.parametrize("family, fields", [
+    ("Qwen2", dict(attention_bias=True)),  # Qwen2's q/k/v biases are fixed, its o_proj has none
+    ("Qwen2", dict(mlp_bias=True)),
+    ("Qwen3", dict(mlp_bias=True, head_dim=16)),
+    ("Mistral", dict(attention_bias=True, mlp_bias=True, sliding_window=None)),
+    ("Llama", dict(hidden_act="swish")),  # transformers' nn.SiLU
+])
+def test_keys_transformers_does_not_act_on_are_accepted(family, fields):
+    raw = raw_config(family, "v5", num_attention_heads=4, **fields) | fields
+    assert parse_config(raw).qkv_bias == (family == "Qwen2")
+
+
+@pytest.mark.parametrize("family, fields", [
+    ("Llama", dict(attention_bias=True)), ("Llama", dict(mlp_bias=True)), ("Qwen3", dict(attention_bias=True)),
+])
+def test_biases_transformers_adds_are_refused(family, fields):
+    with pytest.raises(ConfigError, match="attention_bias and mlp_bias"):
+        parse_config(raw_config(family, "v5", num_attention_heads=4, **fields) | fields)

@@ -74,3 +74,20 @@ def test_sharded_checkpoint(tmp_path, monkeypatch):
     outputs = Engine(tmp_path, EngineConfig(max_total_tokens=128, log=False)).generate(
         prompts, SamplingParams(max_new_tokens=3, ignore_eos=True))
     assert_matches_hf(hf_model, prompts, outputs, steps)
+
+
+def test_original_context_at_the_top_level(tmp_path, monkeypatch):
+    """transformers takes a top-level original_max_position_embeddings (Phi-3's place for it) over
+    the one in the rope parameters, for yarn and llama3."""
+    save_tiny_llama(tmp_path, "yarn-untruncated")
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["rope_parameters"]["original_max_position_embeddings"] = 256  # what a config without it defaults to
+    raw["original_max_position_embeddings"] = 32
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert hf_model.config.rope_parameters["original_max_position_embeddings"] == 32
+    steps = record_logits(monkeypatch)
+    prompts = random_prompts([40, 3], LLAMA_TINY["vocab_size"])
+    outputs = Engine(tmp_path, EngineConfig(max_total_tokens=256, log=False)).generate(
+        prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert_matches_hf(hf_model, prompts, outputs, steps)

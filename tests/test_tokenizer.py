@@ -102,3 +102,17 @@ def test_bos_added_once(smollm2_dir, tmp_path):
 def test_missing_tokenizer_json(tmp_path):
     with pytest.raises(TokenizerError, match="no tokenizer.json"):
         Tokenizer(tmp_path)
+
+
+def test_named_chat_templates(smollm2_dir, tmp_path):
+    """tokenizer_config.json may hold several named templates (Hermes-2-Pro's "default" and
+    "tool_use"); without tools transformers renders "default"."""
+    shutil.copy(smollm2_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    config = json.loads((smollm2_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = [{"name": "tool_use", "template": "{{ 'tools' }}"},
+                               {"name": "default", "template": config["chat_template"]}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    messages = [{"role": "user", "content": QUESTION}]
+    expected = AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(messages, add_generation_prompt=True,
+                                                                             tokenize=False)
+    assert Tokenizer(tmp_path).apply_chat_template(messages) == expected
