@@ -189,7 +189,11 @@ def _step(engine, requests: dict) -> list:
 
 def _engine_process(build_engine, inbox, outbox):
     """The engine process: build the engine (a failure goes back as one line), then run its loop."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every process; the server decides
+    # Ctrl-C reaches every process of the terminal's group, and a service manager's SIGTERM every process of
+    # the service (systemd's default): the server decides, and stops this loop once its requests are done.
+    # SIGTERM gets a no-op handler, not SIG_IGN, which the tensor-parallel workers would inherit.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: None)
     parent = multiprocessing.parent_process()
     threading.Thread(target=lambda: (parent.join(), os._exit(1)), daemon=True).start()  # never outlive it
     tqdm.set_lock(threading.RLock())  # the loading bar's; tqdm's own is a multiprocessing lock, left behind at exit
@@ -235,6 +239,12 @@ class EngineClient:
         self.reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
         self.reader.start()
 
+    def health(self) -> tuple[dict, int]:
+        """/health's body and status: the engine's state as of its last message (engine_state), and 503 once
+        its process has died: nothing will be answered again, and a load balancer should know."""
+        alive = self.worker.is_alive()
+        return {"status": "ok" if alive else "engine process exited", **self.state}, 200 if alive else 503
+
     def submit(self, stream: Stream):
         if not self.worker.is_alive():
             raise APIError(503, "the engine has stopped; see the server log")
@@ -251,6 +261,13 @@ class EngineClient:
         self.inbox.put(Shutdown())
         self.reader.join()
         self.worker.join()
+        self._drop_inbox()
+
+    def _drop_inbox(self):
+        """Nobody will read the inbox again: at exit, do not wait to write what is left in it into a pipe
+        that may be full (multiprocessing joins a queue's feeder thread; a thread's queue has none)."""
+        if hasattr(self.inbox, "cancel_join_thread"):
+            self.inbox.cancel_join_thread()
 
     def _next_message(self):
         """The engine's next message, or None once its process has died."""
@@ -268,6 +285,9 @@ class EngineClient:
             self.state = message.state
             self.loop.call_soon_threadsafe(self._deliver, message.events)
         # it crashed (a stop sends Shutdown first): fail what is left; submit() refuses from now on
+        self._drop_inbox()
+        print(f"error: the engine process exited (exit code {getattr(self.worker, 'exitcode', None)}); "
+              "every request fails from now on", file=sys.stderr, flush=True)
         error = APIError(500, "the engine process exited; see the server log")
         self.loop.call_soon_threadsafe(self._deliver, [(sid, error) for sid in list(self.streams)])
 
@@ -289,5 +309,5 @@ def start_engine_process(build_engine) -> EngineClient:
     try:
         return EngineClient(inbox, outbox, process)
     except BaseException:  # its one-line error, or Ctrl-C while it loads: it will not be needed
-        process.terminate()
+        process.kill()  # it ignores SIGTERM
         raise

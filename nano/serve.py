@@ -68,7 +68,7 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(http: HTTPRequest):
-    return {"status": "ok", **http.app.state.client.state}  # as of the engine's last message (engine_state)
+    return JSONResponse(*http.app.state.client.health())
 
 
 @router.get("/v1/models", dependencies=[Depends(check_api_key)])
@@ -360,7 +360,7 @@ async def until_disconnected(http: HTTPRequest, awaitable):
     if work.done():
         return work.result()
     work.cancel()
-    return None
+    await asyncio.gather(work, return_exceptions=True)  # -> None; its CancelledError taken, not logged as lost
 
 
 async def error_json(_, e: Exception):
@@ -439,7 +439,7 @@ def run(args):
     try:
         server.run(sockets=[listener])  # its shutdown stops the engine loop (lifespan)
     finally:
-        client.worker.terminate()  # a no-op once it has stopped; else (uvicorn failed) it ends here
+        client.worker.kill()  # a no-op once it has stopped; else (uvicorn failed) it ends here (it ignores SIGTERM)
 
 
 def main(argv=None):

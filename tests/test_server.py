@@ -6,6 +6,7 @@ an engine step that raises."""
 import asyncio
 import http.client
 import json
+import os
 import queue
 import signal
 import threading
@@ -701,3 +702,83 @@ def test_a_request_that_a_failed_step_retracted_gets_no_gap_in_its_stream(tmp_pa
     for sid, req in reqs.items():  # each stream: every token its request got, or a prefix of them and an error
         tokens, error = (streamed[sid][:-1], True) if streamed[sid][-1:] == ["error"] else (streamed[sid], False)
         assert tokens == req.output_ids[: len(tokens)] and (error or tokens == req.output_ids), sid
+
+
+def engine_pid(server_pid: int) -> int:
+    """The engine's process among the server's children (multiprocessing's resource tracker is the other)."""
+    return next(pid for pid in child_pids(server_pid) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes())
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the planted death
+def test_health_says_when_the_engine_died(tiny_model, monkeypatch):
+    """A load balancer polls /health: once the engine is gone, nothing will be answered again."""
+    engine = Engine(tiny_model, EngineConfig(max_total_tokens=10000, max_running_requests=8, log=False))
+
+    def step():
+        raise SystemExit  # the loop itself ends, as if the engine's process were killed
+
+    monkeypatch.setattr(engine, "step", step)
+    with in_process_server(engine, None) as (url, _):
+        assert call(url, "/health")[0] == 200
+        assert call(url, "/v1/completions", dict(prompt=[5, 6, 7], max_tokens=10))[0] == 500
+        status, reply = call(url, "/health")
+        assert status == 503 and reply["status"] == "engine process exited", reply
+
+
+def test_sigterm_to_every_process_of_the_server_finishes_its_requests(tiny_model, tmp_path):
+    """systemd stops a service (KillMode=control-group, its default) with SIGTERM to every process in it,
+    the engine's too; as with SIGTERM to the server alone, the request streaming and the one waiting for
+    the only row finish, and the server exits 0."""
+    proc, url = start_server(tiny_model, tmp_path / "server.log", "--max-total-tokens", "100000",
+                             "--max-running-requests", "1")
+
+    async def read(session, body):
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            return [line async for line in resp.content if line.startswith(b"data: ")]
+
+    async def main():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+            body = dict(prompt=[300, 301], max_tokens=200, ignore_eos=True, stream=True)
+            async with session.post(url + "/v1/completions", json=body) as resp:
+                lines = resp.content.__aiter__()
+                assert (await lines.__anext__()).startswith(b"data: ")
+                queued = asyncio.ensure_future(read(session, {**body, "prompt": [302, 303]}))
+                await asyncio.sleep(0.5)
+                for pid in [proc.pid, *child_pids(proc.pid)]:
+                    os.kill(pid, signal.SIGTERM)
+                rest = [line async for line in lines if line.startswith(b"data: ")]
+            return rest, await queued
+
+    try:
+        rest, queued = asyncio.run(main())
+        assert rest[-1] == b"data: [DONE]\n" and len(rest) == 200, rest[-2:]  # 199 more tokens, then [DONE]
+        assert queued[-1] == b"data: [DONE]\n" and len(queued) == 201, queued[-2:]
+        assert proc.wait(timeout=60) == 0, (tmp_path / "server.log").read_text()
+    finally:
+        proc.kill()
+
+
+def test_a_server_whose_engine_died_with_requests_unread_still_exits(tiny_model, tmp_path):
+    """The engine is killed (the OOM killer, say) while more requests than a pipe holds (64 KiB) wait in
+    its inbox, unread: they get a 500, and SIGTERM still ends the server, instead of its exit waiting
+    forever to write them into a pipe nobody reads."""
+    proc, url = start_server(tiny_model, tmp_path / "server.log", *SERVER_FLAGS)
+    engine = engine_pid(proc.pid)
+    os.kill(engine, signal.SIGSTOP)  # busy with a long step: it reads its inbox between steps
+
+    async def main():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+            async def one(i):
+                async with session.post(url + "/v1/completions", json=dict(prompt=[1000 + i] * 4000, max_tokens=5)) as r:
+                    return r.status
+            replies = [asyncio.ensure_future(one(i)) for i in range(12)]  # 12 x 4000 ids: about 150 kB pickled
+            await asyncio.sleep(2)
+            os.kill(engine, signal.SIGKILL)
+            return await asyncio.gather(*replies)
+
+    try:
+        assert set(asyncio.run(main())) <= {500, 503}  # 503: one that reached the server after the engine died
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, (tmp_path / "server.log").read_text()
+    finally:
+        proc.kill()
