@@ -441,10 +441,13 @@ def test_an_engine_that_dies_fails_what_it_held_and_what_comes_later(tiny_model,
     monkeypatch.setattr(engine, "step", step)
     body = dict(prompt=[5, 6, 7], max_tokens=10)
     with in_process_server(engine, None) as (url, _):
+        assert call(url, "/health")[0] == 200
         status, reply = call(url, "/v1/completions", body)  # the engine died with it
         assert status == 500 and "engine process exited" in reply["error"]["message"]
         status, reply = call(url, "/v1/completions", body)
         assert status == 503 and reply["error"]["type"] == "server_error"
+        status, reply = call(url, "/health")  # a load balancer polls it: nothing will be answered again
+        assert status == 503 and reply["status"] == "engine process exited", reply
 
 
 @contextmanager
@@ -707,22 +710,6 @@ def test_a_request_that_a_failed_step_retracted_gets_no_gap_in_its_stream(tmp_pa
 def engine_pid(server_pid: int) -> int:
     """The engine's process among the server's children (multiprocessing's resource tracker is the other)."""
     return next(pid for pid in child_pids(server_pid) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes())
-
-
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the planted death
-def test_health_says_when_the_engine_died(tiny_model, monkeypatch):
-    """A load balancer polls /health: once the engine is gone, nothing will be answered again."""
-    engine = Engine(tiny_model, EngineConfig(max_total_tokens=10000, max_running_requests=8, log=False))
-
-    def step():
-        raise SystemExit  # the loop itself ends, as if the engine's process were killed
-
-    monkeypatch.setattr(engine, "step", step)
-    with in_process_server(engine, None) as (url, _):
-        assert call(url, "/health")[0] == 200
-        assert call(url, "/v1/completions", dict(prompt=[5, 6, 7], max_tokens=10))[0] == 500
-        status, reply = call(url, "/health")
-        assert status == 503 and reply["status"] == "engine process exited", reply
 
 
 def test_sigterm_to_every_process_of_the_server_finishes_its_requests(tiny_model, tmp_path):
