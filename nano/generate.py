@@ -84,13 +84,17 @@ def print_stats(s: dict, num_requests: int):
 def read_prompts(args) -> list[str]:
     prompts = list(args.prompt or [])
     if args.prompt_file:
+        if args.prompt_file == "-" and sys.stdin is None:  # file descriptor 0 closed (`<&-`)
+            raise UsageError("--prompt-file -: standard input is closed")
         try:
             text = sys.stdin.read() if args.prompt_file == "-" else Path(args.prompt_file).read_text()
         except OSError as e:
             raise UsageError(f"cannot read --prompt-file: {e.strerror}: {args.prompt_file}") from None
         except UnicodeDecodeError:
             raise UsageError(f"--prompt-file {args.prompt_file} is not UTF-8 text") from None
-        prompts += [line for line in text.splitlines() if line.strip()]
+        # one a line: split at line ends only (reading made \r\n and \r into \n), not at the form
+        # feeds and Unicode line separators that str.splitlines splits at too
+        prompts += [line for line in text.split("\n") if line.strip()]
     if not prompts:
         raise UsageError("no prompt: give --prompt TEXT or --prompt-file FILE")
     for i, prompt in enumerate(prompts):

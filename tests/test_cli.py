@@ -358,3 +358,20 @@ def test_several_prompts_that_end_on_the_same_step_print_every_token(tiny_model)
     result = run_cli("--model", str(tiny_model), "--prompt", prompts[0], "--prompt", prompts[1], *flags)
     assert result.returncode == 0, result.stderr
     assert result.stdout == "".join(f"--- prompt {i + 1} ---\n{text}\n" for i, text in enumerate(alone))
+
+
+def test_prompt_file_dash_with_stdin_closed_is_one_line(tiny_model):
+    """`... --prompt-file - <&-`: with file descriptor 0 closed, Python's sys.stdin is None."""
+    result = run_cli("--model", str(tiny_model), "--prompt-file", "-", preexec_fn=lambda: os.close(0))
+    assert_one_line_error(result, "--prompt-file -", "standard input")
+
+
+@pytest.mark.parametrize("separator", ["\f", "\v", "\x1c", "\x85", "\u2028", "\u2029"])
+def test_prompt_file_splits_prompts_only_at_line_ends(tiny_model, tmp_path, separator):
+    """One prompt a line: a form feed or a Unicode line separator inside a line does not start a new prompt."""
+    prompt_file = tmp_path / "prompts.txt"
+    prompt_file.write_text(f"first half{separator}second half\r\nanother prompt\n", encoding="utf-8")
+    result = run_cli("--model", str(tiny_model), "--prompt-file", str(prompt_file), "--max-new-tokens", "1",
+                     "--no-chat-template")
+    assert result.returncode == 0, result.stderr
+    assert "2 prompt(s)" in result.stderr

@@ -104,3 +104,31 @@ def test_fetched_files_are_world_readable(tmp_path, monkeypatch):
     monkeypatch.setattr(default_model, "_convert_gguf", convert_like_safetensors)
     folder = default_model.ensure_default_model()
     assert {oct(f.stat().st_mode & 0o777) for f in folder.iterdir()} == {"0o644"}
+
+
+def _fake_fetch(monkeypatch, target, convert=None):
+    def convert_to_empty_files(gguf_path, out_dir):
+        for name in default_model.MODEL_FILES:
+            (out_dir / name).write_text("{}")
+
+    monkeypatch.setattr(default_model, "DEFAULT_MODEL_DIR", target)
+    monkeypatch.setattr(default_model, "download_gguf", lambda download_dir: download_dir / "model.gguf")
+    monkeypatch.setattr(default_model, "_convert_gguf", convert or convert_to_empty_files)
+
+
+def test_a_target_that_cannot_be_written_is_one_clear_error(tmp_path, monkeypatch):
+    (tmp_path / "a-file").write_text("")
+    _fake_fetch(monkeypatch, tmp_path / "a-file" / "model")  # its parent is a file: mkdir fails
+    with pytest.raises(default_model.DefaultModelError, match="a-file"):
+        default_model.ensure_default_model()
+
+
+def test_a_full_disk_is_one_clear_error_and_leaves_nothing(tmp_path, monkeypatch):
+    def convert_on_a_full_disk(gguf_path, out_dir):
+        (out_dir / "config.json").write_text("{}")
+        raise OSError(28, "No space left on device")
+
+    _fake_fetch(monkeypatch, tmp_path / "model", convert_on_a_full_disk)
+    with pytest.raises(default_model.DefaultModelError, match="No space left on device"):
+        default_model.ensure_default_model()
+    assert list(tmp_path.iterdir()) == []
