@@ -64,6 +64,7 @@ import os
 import socket
 import sys
 import threading
+import traceback
 from dataclasses import fields, replace
 from functools import partial
 
@@ -201,6 +202,17 @@ class TensorParallel:
             worker.join(timeout=30)
             if worker.is_alive():
                 worker.terminate()
+
+    def out_of_step(self):
+        """Rank 0: a forward pass failed here after the workers were handed it. They wait in one of its
+        collectives that this rank will never reach, and the next pass's would meet theirs out of order
+        (a hang, or another pass's bytes): end every rank, as when a worker dies."""
+        traceback.print_exc()
+        print("error: a forward pass failed on tensor-parallel rank 0 after the other ranks began it; "
+              "they cannot be brought back in step", file=sys.stderr, flush=True)
+        for worker in self.workers:
+            worker.kill()
+        os._exit(1)
 
     def _exit_if_a_worker_dies(self):
         """A rank that died leaves the others waiting in a collective forever: end rank 0 too."""

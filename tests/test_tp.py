@@ -10,6 +10,7 @@ capture the all-reduce, must equal eager decoding of the same batches."""
 import gc
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from functools import partial
 
@@ -233,3 +234,63 @@ def test_graphs_match_eager_at_tp2(shape):
     assert runs["graphs", "unpadded"] == runs["eager", "unpadded"] == runs["padded eager", "unpadded"]
     assert runs["graphs", "13"] == runs["padded eager", "13"]
     assert runs["graphs", "5"] == runs["padded eager", "5"]
+
+
+@pytest.mark.parametrize("where", ["embedding", "layer 1 MLP"])
+def test_a_pass_that_fails_on_rank_0_does_not_hang_the_next(tmp_path, where):
+    """A forward pass that raises on rank 0 after rank 1 began it (the server's loop fails that step's
+    requests and goes on): rank 1 still waits in one of its collectives. The next pass must either
+    give rank 1's tokens or end rank 0 with a one-line error and no worker left: never hang."""
+    save_tiny_llama(tmp_path, "gqa4-tied")
+    fault = ("model.embed = fail_once(model.embed)" if where == "embedding"
+             else "model.layers[1].mlp.forward = fail_once(model.layers[1].mlp.forward)")
+    code = f"""
+from nano.engine import Engine, EngineConfig
+from nano.engine_process import _step
+from nano.sampling import SamplingParams
+from tests.helpers import random_prompts
+
+def fail_once(f, armed=[True]):
+    def failing(*args):
+        if armed and armed.pop():
+            raise RuntimeError("planted fault on rank 0")
+        return f(*args)
+    return failing
+
+if __name__ == "__main__":
+    prompts, params = random_prompts([5, 17], 320), SamplingParams(max_new_tokens=4, ignore_eos=True)
+    want = Engine({str(tmp_path)!r}, EngineConfig(max_total_tokens=256, log=False)).generate(prompts, params)
+    engine = Engine({str(tmp_path)!r}, EngineConfig(max_total_tokens=256, tp_size=2, log=False))
+    print("worker", engine.tp.workers[0].pid, flush=True)
+    model = engine.model
+    {fault}
+    failed = _step(engine, {{i: engine.add_request(p, params) for i, p in enumerate(prompts)}})
+    assert [e.status for _, e in failed] == [500, 500], failed
+    print("same" if engine.generate(prompts, params) == want else "different", flush=True)
+    engine.close()
+"""
+    try:
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the pass after the failed one hangs: {e.stdout}")
+    worker = int(result.stdout.split()[1])
+    if result.returncode == 0:
+        assert result.stdout.split()[-1] == "same", result.stdout
+    else:
+        lines = result.stderr.splitlines()
+        assert result.returncode == 1 and any(line.startswith("error: ") for line in lines), result.stderr
+        assert not _running_after(worker, 10)  # no worker left behind
+
+
+def _running_after(pid: int, seconds: float) -> bool:
+    """Whether process pid still runs (exists and is no zombie) `seconds` from now."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(")")[-1].split()[0] == "Z":
+                    return False
+        except FileNotFoundError:
+            return False
+        time.sleep(0.2)
+    return True
