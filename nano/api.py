@@ -5,8 +5,9 @@ which becomes a 400 in OpenAI's error JSON. The schemas are strict: an unknown f
 this server lacks, and silently ignoring it would give a client an answer to a question it did
 not ask. Some clients send fields of features nano lacks with every request, in their "off"
 value; those are accepted when off (or null) and refused otherwise: one table, `OFF_VALUES`,
-read before the schemas. Any other field sent as null takes its default, as OpenAI's API reads it. The sampling settings are checked once, by `SamplingParams.validate`,
-the same check `generate` runs.
+read before the schemas. Any other field sent as null takes its default, as OpenAI's API reads
+it. The sampling settings are checked once, by `SamplingParams.validate`, the same check
+`generate` runs.
 
 A completion's `prompt` may be several (strings or token-id lists), and `n` asks for n samples of
 each: choice `prompt * n + j`. With a seed s (any int64), sample j draws with seed s + j (mod

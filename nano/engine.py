@@ -368,13 +368,13 @@ class Engine:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """One forward pass -> logits [B, vocab]: a graph replay when one fits the batch, else the
         model, eagerly (the same pass a graph recorded)."""
-        if self.tp is not None and self.tp.rank == 0:  # the other ranks run the same pass
-            try:
-                self.tp.send_batch(batch, self.req_to_token_pool.req_to_token)
-                return self._run(batch)
-            except Exception:  # they wait in a collective this rank will never reach
-                self.tp.out_of_step()
-        return self._run(batch)
+        if self.tp is None or self.tp.rank != 0:
+            return self._run(batch)
+        try:  # the other ranks run the same pass
+            self.tp.send_batch(batch, self.req_to_token_pool.req_to_token)
+            return self._run(batch)
+        except Exception:  # they wait in a collective this rank will never reach
+            self.tp.out_of_step()  # ends every rank
 
     def _run(self, batch: ForwardBatch) -> torch.Tensor:
         if self.graph_runner is not None and self.graph_runner.can_run(batch):

@@ -10,8 +10,8 @@ What crosses between them is a handful of typed messages (below), pickled throug
 multiprocessing queues. Every request gets an answer: a request the engine refuses gets a 400, a
 step that raises fails the requests it was running with a 500 and the loop goes on (split over
 GPUs, a pass that fails on rank 0 ends the engine: tp.py), and if the engine process dies every
-open stream gets a 500. While it works, the loop logs a line of
-statistics on stderr every 10 seconds.
+open stream gets a 500. While it works, the loop logs a line of statistics on stderr every 10
+seconds.
 """
 
 import asyncio

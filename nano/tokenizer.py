@@ -73,10 +73,11 @@ class Tokenizer:
         # Newer HF folders keep the template in its own file; older ones in tokenizer_config.json.
         template_file = model_dir / "chat_template.jinja"
         source = template_file.read_text() if template_file.is_file() else config.get("chat_template")
-        if isinstance(source, list):  # named templates, [{"name": ..., "template": ...}]: HF renders "default" without tools
+        if isinstance(source, list):  # named templates [{"name", "template"}]: HF renders "default" without tools
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
             if "default" not in named:
-                raise TokenizerError(f"{model_dir}: chat_template names no \"default\" template ({sorted(map(str, named))})")
+                raise TokenizerError(f"{model_dir}: chat_template names no \"default\" template "
+                                     f"({sorted(map(str, named))})")
             source = named["default"]
         self.chat_template_source = source
         if source is None:
