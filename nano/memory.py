@@ -5,12 +5,21 @@ halfway through loading; on the host, Linux hands out pages until it swaps or it
 the process, minutes later and with nothing printed. So the engine adds up what it is about to
 allocate (the weights, counted from the config without allocating them, and the smallest KV cache
 it can run with) and compares that with the memory free now: `torch.cuda.mem_get_info` on a GPU,
-the kernel's MemAvailable on the host (free memory plus the page cache it can reclaim).
+the kernel's MemAvailable on the host (free memory plus the page cache it can reclaim), or less
+where a memory cgroup (a container's `--memory`, a systemd slice) allows less: its OOM killer ends
+the process at the cgroup's limit however much the host has free.
 """
 
 import contextlib
+from pathlib import Path
 
 import torch
+
+PROC_MEMINFO, PROC_CGROUP, CGROUP_ROOT = "/proc/meminfo", "/proc/self/cgroup", Path("/sys/fs/cgroup")
+# per cgroup version: the memory controller's folder under CGROUP_ROOT, the files of its limit and
+# its usage, and memory.stat's key for the page cache in that usage the kernel can reclaim
+CGROUP_MEMORY = {"v2": ("", "memory.max", "memory.current", "inactive_file"),
+                 "v1": ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")}
 
 
 class NotEnoughMemoryError(RuntimeError):
@@ -18,13 +27,37 @@ class NotEnoughMemoryError(RuntimeError):
 
 
 def free_bytes(device: torch.device) -> int | None:
-    """Bytes free on the device now; None where the host does not say (no /proc/meminfo)."""
+    """Bytes free on the device now; None where the host does not say (no /proc/meminfo, no cgroup limit)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    with contextlib.suppress(OSError), open("/proc/meminfo") as meminfo:
+    available = None
+    with contextlib.suppress(OSError), open(PROC_MEMINFO) as meminfo:
         for line in meminfo:
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024  # the file counts kB
+                available = int(line.split()[1]) * 1024  # the file counts kB
+    cgroup = cgroup_free_bytes()  # a container's limit, which /proc/meminfo does not show
+    return available if cgroup is None else cgroup if available is None else min(available, cgroup)
+
+
+def cgroup_free_bytes() -> int | None:
+    """What this process's memory cgroup (a container, a systemd slice) still lets it allocate: its
+    limit less what it uses, reclaimable page cache aside; None without a limit."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path(PROC_CGROUP).read_text().splitlines():  # "0::/path" (v2), "4:memory:/path" (v1)
+            _, controllers, path = line.split(":", 2)
+            version = "v2" if controllers == "" else "v1" if "memory" in controllers.split(",") else None
+            if version is None:
+                continue
+            mount, limit_file, usage_file, cache_key = CGROUP_MEMORY[version]
+            folder = CGROUP_ROOT / mount / path.lstrip("/")
+            if not (folder / limit_file).is_file():  # a container's own cgroup, mounted as the root
+                folder = CGROUP_ROOT / mount
+            limit = (folder / limit_file).read_text().strip()
+            if limit == "max" or int(limit) >= 1 << 60:  # v2's and v1's "no limit"
+                return None
+            stat = dict(entry.split() for entry in (folder / "memory.stat").read_text().splitlines())
+            used = int((folder / usage_file).read_text()) - int(stat.get(cache_key, 0))
+            return max(int(limit) - used, 0)
     return None
 
 

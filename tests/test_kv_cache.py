@@ -91,3 +91,25 @@ def test_the_cpu_fit_check_counts_the_kv_cache_the_cpu_builds(monkeypatch):
     config = EngineConfig(device="cpu", dtype=torch.bfloat16, load_format="dummy", log=False)
     with pytest.raises(Loading):  # before: NotEnoughMemoryError, "15.0 GiB bfloat16 weights + 16.0 GiB KV cache"
         Engine("nano/configs/llama-3.1-8b", config)
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_cpu_free_memory_is_a_containers_limit_not_the_hosts(tmp_path, monkeypatch, version):
+    """In a container of 1 GiB on a host of 22, /proc/meminfo says 22: a pool sized from that, or
+    a fit check against it, ends in the OOM killer (exit status 137, nothing printed)."""
+    from nano import memory
+
+    (tmp_path / "meminfo").write_text(f"MemTotal: {32 * 2**20} kB\nMemAvailable: {22 * 2**20} kB\n")
+    v1 = version == "v1"
+    folder = tmp_path / "cgroup" / ("memory" if v1 else "") / "box"
+    folder.mkdir(parents=True)
+    (tmp_path / "self-cgroup").write_text("4:memory:/box\n1:name=systemd:/\n" if v1 else "0::/box\n")
+    (folder / ("memory.limit_in_bytes" if v1 else "memory.max")).write_text(f"{2**30}\n")
+    (folder / ("memory.usage_in_bytes" if v1 else "memory.current")).write_text(f"{400 * 2**20}\n")
+    (folder / "memory.stat").write_text(f"{'total_inactive_file' if v1 else 'inactive_file'} {100 * 2**20}\n")
+    monkeypatch.setattr(memory, "PROC_MEMINFO", str(tmp_path / "meminfo"))
+    monkeypatch.setattr(memory, "PROC_CGROUP", str(tmp_path / "self-cgroup"))
+    monkeypatch.setattr(memory, "CGROUP_ROOT", tmp_path / "cgroup")
+    assert free_bytes(torch.device("cpu")) == (1024 - 400 + 100) * 2**20  # the limit less the working set
+    (folder / ("memory.limit_in_bytes" if v1 else "memory.max")).write_text("9223372036854771712\n" if v1 else "max\n")
+    assert free_bytes(torch.device("cpu")) == 22 * 2**30  # no limit: the host's
