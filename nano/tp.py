@@ -210,6 +210,7 @@ class TensorParallel:
         traceback.print_exc()
         print("error: a forward pass failed on tensor-parallel rank 0 after the other ranks began it; "
               "they cannot be brought back in step", file=sys.stderr, flush=True)
+        self.closed = True  # the watcher below would report the workers killed here as workers that died
         for worker in self.workers:
             worker.kill()
         os._exit(1)
