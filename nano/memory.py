@@ -40,25 +40,34 @@ def free_bytes(device: torch.device) -> int | None:
 
 
 def cgroup_free_bytes() -> int | None:
-    """What this process's memory cgroup (a container, a systemd slice) still lets it allocate: its
-    limit less what it uses, reclaimable page cache aside; None without a limit."""
+    """What this process's memory cgroups (a container, a systemd slice, and the ones that hold
+    them, each of whose limits counts) still let it allocate; None without a limit."""
     with contextlib.suppress(OSError, ValueError):
         for line in Path(PROC_CGROUP).read_text().splitlines():  # "0::/path" (v2), "4:memory:/path" (v1)
             _, controllers, path = line.split(":", 2)
             version = "v2" if controllers == "" else "v1" if "memory" in controllers.split(",") else None
             if version is None:
                 continue
-            mount, limit_file, usage_file, cache_key = CGROUP_MEMORY[version]
-            folder = CGROUP_ROOT / mount / path.lstrip("/")
-            if not (folder / limit_file).is_file():  # a container's own cgroup, mounted as the root
-                folder = CGROUP_ROOT / mount
-            limit = (folder / limit_file).read_text().strip()
-            if limit == "max" or int(limit) >= 1 << 60:  # v2's and v1's "no limit"
-                return None
-            stat = dict(entry.split() for entry in (folder / "memory.stat").read_text().splitlines())
-            used = int((folder / usage_file).read_text()) - int(stat.get(cache_key, 0))
-            return max(int(limit) - used, 0)
+            mount, *files = CGROUP_MEMORY[version]
+            root = CGROUP_ROOT / mount
+            folder = root / path.lstrip("/")
+            if not folder.is_dir():  # a container's own cgroup, mounted as the root
+                folder = root
+            rooms = [_cgroup_room(f, *files) for f in (folder, *folder.parents) if f.is_relative_to(root)]
+            return min((room for room in rooms if room is not None), default=None)
     return None
+
+
+def _cgroup_room(folder: Path, limit_file: str, usage_file: str, cache_key: str) -> int | None:
+    """One cgroup's limit less what it uses, reclaimable page cache aside; None where it sets no limit."""
+    if not (folder / limit_file).is_file():  # the host's root cgroup has no limit file
+        return None
+    limit = (folder / limit_file).read_text().strip()
+    if limit == "max" or int(limit) >= 1 << 60:  # v2's and v1's "no limit"
+        return None
+    stat = dict(entry.split() for entry in (folder / "memory.stat").read_text().splitlines())
+    used = int((folder / usage_file).read_text()) - int(stat.get(cache_key, 0))
+    return max(int(limit) - used, 0)
 
 
 def ensure_fits(device: torch.device, dtype: torch.dtype, needed: dict[str, int]):

@@ -101,9 +101,9 @@ def test_cpu_free_memory_is_a_containers_limit_not_the_hosts(tmp_path, monkeypat
 
     (tmp_path / "meminfo").write_text(f"MemTotal: {32 * 2**20} kB\nMemAvailable: {22 * 2**20} kB\n")
     v1 = version == "v1"
-    folder = tmp_path / "cgroup" / ("memory" if v1 else "") / "box"
+    folder = tmp_path / "cgroup" / ("memory" if v1 else "") / "slice" / "box"
     folder.mkdir(parents=True)
-    (tmp_path / "self-cgroup").write_text("4:memory:/box\n1:name=systemd:/\n" if v1 else "0::/box\n")
+    (tmp_path / "self-cgroup").write_text("4:memory:/slice/box\n1:name=systemd:/\n" if v1 else "0::/slice/box\n")
     (folder / ("memory.limit_in_bytes" if v1 else "memory.max")).write_text(f"{2**30}\n")
     (folder / ("memory.usage_in_bytes" if v1 else "memory.current")).write_text(f"{400 * 2**20}\n")
     (folder / "memory.stat").write_text(f"{'total_inactive_file' if v1 else 'inactive_file'} {100 * 2**20}\n")
@@ -113,3 +113,7 @@ def test_cpu_free_memory_is_a_containers_limit_not_the_hosts(tmp_path, monkeypat
     assert free_bytes(torch.device("cpu")) == (1024 - 400 + 100) * 2**20  # the limit less the working set
     (folder / ("memory.limit_in_bytes" if v1 else "memory.max")).write_text("9223372036854771712\n" if v1 else "max\n")
     assert free_bytes(torch.device("cpu")) == 22 * 2**30  # no limit: the host's
+    for name, value in [("limit_in_bytes" if v1 else "max", 600), ("usage_in_bytes" if v1 else "current", 500)]:
+        (folder.parent / f"memory.{name}").write_text(f"{value * 2**20}\n")  # the slice that holds the box
+    (folder.parent / "memory.stat").write_text("")
+    assert free_bytes(torch.device("cpu")) == 100 * 2**20  # a parent's limit binds its children too
