@@ -1,6 +1,8 @@
 """The fetched default model against HF transformers reading the original GGUF file."""
 
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -90,6 +92,27 @@ def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(default_model, "_convert_gguf", convert_then_fail)
     with pytest.raises(KeyboardInterrupt):
         default_model.ensure_default_model()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_terminated_conversion_leaves_nothing(tmp_path):
+    """SIGTERM (a `timeout`, a container stopped) during the fetch: exit status 143 and no
+    half-written scratch folder (it was 517 MB) left beside the target."""
+    script = f"""if True:
+        import argparse, pathlib, time
+        from nano import cli, default_model
+        default_model.DEFAULT_MODEL_DIR = pathlib.Path({str(tmp_path / "model")!r})
+        default_model.download_gguf = lambda download_dir: download_dir / "model.gguf"
+        def convert_slowly(gguf_path, out_dir):
+            (out_dir / "config.json").write_text("{{}}")
+            print("converting", flush=True)
+            time.sleep(60)
+        default_model._convert_gguf = convert_slowly
+        cli.cli(argparse.ArgumentParser, lambda args: default_model.ensure_default_model(), [])"""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "converting\n"
+    proc.terminate()
+    assert proc.wait(timeout=30) == 143
     assert list(tmp_path.iterdir()) == []
 
 
