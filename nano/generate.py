@@ -96,7 +96,8 @@ def read_prompts(args) -> list[str]:
         # feeds and Unicode line separators that str.splitlines splits at too
         prompts += [line for line in text.split("\n") if line.strip()]
     if not prompts:
-        raise UsageError("no prompt: give --prompt TEXT or --prompt-file FILE")
+        raise UsageError(f"no prompt: --prompt-file {args.prompt_file} holds only blank lines" if args.prompt_file
+                         else "no prompt: give --prompt TEXT or --prompt-file FILE")
     for i, prompt in enumerate(prompts):
         if not prompt.strip():
             raise UsageError(f"prompt {i + 1} is empty")

@@ -366,6 +366,13 @@ def test_prompt_file_dash_with_stdin_closed_is_one_line(tiny_model):
     assert_one_line_error(result, "--prompt-file -", "standard input")
 
 
+@pytest.mark.parametrize("text", ["", "\n \n\t\n"])
+def test_prompt_file_of_blank_lines_names_the_file(tiny_model, text):
+    """`: | nano.generate --prompt-file -` was told to give --prompt-file, which it had given."""
+    result = run_cli("--model", str(tiny_model), "--prompt-file", "-", input=text)
+    assert_one_line_error(result, "--prompt-file - holds only blank lines")
+
+
 @pytest.mark.parametrize("separator", ["\f", "\v", "\x1c", "\x85", "\u2028", "\u2029"])
 def test_prompt_file_splits_prompts_only_at_line_ends(tiny_model, tmp_path, separator):
     """One prompt a line: a form feed or a Unicode line separator inside a line does not start a new prompt."""
