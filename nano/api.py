@@ -109,7 +109,8 @@ class ChatMessage(StrictModel):
                                "this server takes text parts only", param="messages")
         role = "system" if self.role == "developer" and not template_has_developer else self.role
         message = {"role": role, "content": "\n".join(p if isinstance(p, str) else p["text"] for p in parts)}
-        return message | ({"name": self.name} if self.name is not None else {})
+        # the template reads what it knows (Mistral's pairs a tool result with its call by tool_call_id)
+        return message | {key: value for key in ("name", "tool_call_id") if (value := getattr(self, key)) is not None}
 
 
 class ChatRequest(GenerationRequest):

@@ -144,7 +144,11 @@ class Tokenizer:
 
     def token_text(self, token_id: int) -> str:
         """One token's own text, special tokens included (what logprobs list it as)."""
-        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+        text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+        # A SentencePiece decoder drops the space ("▁") that starts a text, so alone "▁Paris" would
+        # read "Paris"; in its place it reads " Paris" (vLLM puts the space back too).
+        piece = self._tokenizer.id_to_token(token_id) or ""
+        return " " * (len(piece) - len(piece.lstrip("▁")) - (len(text) - len(text.lstrip(" ")))) + text
 
 
 class StreamDecoder:
@@ -159,7 +163,15 @@ class StreamDecoder:
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = ()):
         self._tokenizer = tokenizer
-        self._ids = list(prompt_ids[-self.CONTEXT_TOKENS :])
+        # A window that starts inside a character decodes its first bytes as U+FFFD, and a byte-fallback
+        # decoder (Llama-2, Mistral) then garbles the whole run of byte tokens it starts, new ones too:
+        # step back (a character has at most 3 more bytes) to the token where the character begins.
+        start = max(len(prompt_ids) - self.CONTEXT_TOKENS, 0)
+        for _ in range(3):
+            if start == 0 or not tokenizer.decode(list(prompt_ids[start:])).startswith(REPLACEMENT_CHAR):
+                break
+            start -= 1
+        self._ids = list(prompt_ids[start:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
 
@@ -198,7 +210,9 @@ class Detokenizer:
         if last:
             self.held = ""
             return text, False
-        held = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        # no longer than the text: a request's stop string can be megabytes, and this runs per token
+        held = max((k for s in self.stop for k in range(1, min(len(s), len(text) + 1)) if text.endswith(s[:k])),
+                   default=0)
         self.held = text[len(text) - held :]
         return text[: len(text) - held], False
 

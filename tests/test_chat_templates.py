@@ -9,12 +9,14 @@ which vendors llama.cpp). It equals the JSON string quoted from that tokenizer_c
 ShishirPatil/gorilla, berkeley-function-call-leaderboard/bfcl/model_handler/oss_model/qwen.py."""
 
 import json
+import random
 import shutil
 from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
+from nano.api import ChatMessage
 from nano.tokenizer import Tokenizer
 
 DATA = Path(__file__).parent / "data"
@@ -94,3 +96,33 @@ def test_a_legacy_folder_with_generation_tags_renders_as_hf(smollm2_dir, tmp_pat
     assert tokenizer.apply_chat_template(messages) == expected
     assert expected.startswith("<|im_start|>user: ") and "The Seine.<|im_end|>" in expected
     assert tokenizer.eos_token_ids == [hf.convert_tokens_to_ids("<|im_end|>")]
+
+
+# the tool-result branch of Mistral-7B-Instruct-v0.3's template: it pairs a result with its call by id
+TOOL_RESULT_TEMPLATE = """{{- bos_token }}
+{%- for message in messages %}
+    {%- if message["role"] == "user" %}
+        {{- "[INST] " + message["content"] + "[/INST]" }}
+    {%- elif message["role"] == "tool" %}
+        {{- '[TOOL_RESULTS] {"content": ' + message.content|string + ", " }}
+        {%- if not message.tool_call_id is defined or message.tool_call_id|length != 9 %}
+            {{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}
+        {%- endif %}
+        {{- '"call_id": "' + message.tool_call_id + '"}[/TOOL_RESULTS]' }}
+    {%- endif %}
+{%- endfor %}"""
+
+
+def test_a_tool_result_reaches_the_template_with_its_call_id(smollm2_dir, tmp_path):
+    """The server's messages, as the template gets them, render as HF renders the same JSON."""
+    shutil.copy(smollm2_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    config = json.loads((smollm2_dir / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": TOOL_RESULT_TEMPLATE}))
+    call_id = "".join(random.Random(0).choices("abcdefghijklmnopqrstuvwxyz0123456789", k=9))
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "tool", "content": "{\"temp\": 21}", "tool_call_id": call_id}]
+    tokenizer = Tokenizer(tmp_path)
+    sent = [ChatMessage.model_validate(m).as_dict(tokenizer.template_has_developer) for m in messages]
+    expected = AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(messages, tokenize=False)
+    assert tokenizer.apply_chat_template(sent) == expected
+    assert f'"call_id": "{call_id}"' in expected

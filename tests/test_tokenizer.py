@@ -1,14 +1,16 @@
 """nano's Tokenizer against HF transformers' AutoTokenizer, both reading the default model's folder."""
 
 import json
+import random
 import shutil
+import time
 
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import processors
+from tokenizers import decoders, models, normalizers, processors
 from transformers import AutoTokenizer
 
-from nano.tokenizer import REPLACEMENT_CHAR, StreamDecoder, Tokenizer, TokenizerError
+from nano.tokenizer import REPLACEMENT_CHAR, Detokenizer, StreamDecoder, Tokenizer, TokenizerError
 
 TEXTS = [
     "Hello, world! The year 2024 had 366 days.",
@@ -116,3 +118,62 @@ def test_named_chat_templates(smollm2_dir, tmp_path):
     expected = AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(messages, add_generation_prompt=True,
                                                                              tokenize=False)
     assert Tokenizer(tmp_path).apply_chat_template(messages) == expected
+
+
+def save_byte_fallback_tokenizer(folder):
+    """A Llama-2-style tokenizer: SentencePiece "▁" for spaces, and a character outside the small
+    vocabulary spelled as its UTF-8 bytes, one <0xNN> token each (the decoder joins a run of them)."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    vocab |= {piece: len(vocab) + i for i, piece in enumerate(["▁", "a", "b", "▁a", "▁b"])}
+    tok = HFTokenizer(models.BPE(vocab, [("▁", "a"), ("▁", "b")], unk_token="<unk>", byte_fallback=True))
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+
+
+def test_stream_decoder_after_a_prompt_ending_in_byte_tokens(tmp_path):
+    """The prompt's last tokens, the context, may start inside a character spelled in bytes; the
+    completion must still read as the whole text's decode continues the prompt's."""
+    save_byte_fallback_tokenizer(tmp_path)
+    tokenizer, rng = Tokenizer(tmp_path), random.Random(0)
+    wide = [chr(rng.randrange(0x1F300, 0x1F650)) for _ in range(20)] + ["中", "é"]  # 4, 3 and 2 bytes
+    for _ in range(50):
+        prompt_ids = tokenizer.encode_prompt("a " + "".join(rng.choices(wide + ["a"], k=rng.randint(1, 4))), False)
+        answer_ids = tokenizer.encode_text("".join(rng.choices(wide + ["a", " b"], k=rng.randint(1, 6))))
+        answer_ids = answer_ids[answer_ids[0] == tokenizer._tokenizer.token_to_id("▁") :]  # no space first
+        decoder = StreamDecoder(tokenizer, prompt_ids)
+        streamed = "".join(decoder.push(t, i == len(answer_ids) - 1) for i, t in enumerate(answer_ids))
+        prompt_text = tokenizer.decode(prompt_ids)
+        assert prompt_text + streamed == tokenizer.decode(prompt_ids + answer_ids)
+
+
+def test_a_long_stop_string_costs_little_per_token(tokenizer):
+    """A request may send a stop string of megabytes; each token's check for its start at the
+    text's end runs in the server's event loop, so it must not cost the stop string's length squared."""
+    answer = "The capital of France is Paris, on the Seine."
+    ids = tokenizer.encode_text(answer)
+    stop = answer[-6:] + "".join(random.Random(0).choices("xyz", k=400_000))  # the answer ends with its start
+    detokenizer, sent, started = Detokenizer(tokenizer, [], [stop]), [], time.perf_counter()
+    for i, token_id in enumerate(ids):
+        sent.append(detokenizer.push(token_id)[0])
+        if i == len(ids) - 2:
+            assert time.perf_counter() - started < 1, "the stop string's length costs time per token"
+    assert "".join(sent) == answer[:-6]  # held back: the stop string may be starting
+    assert detokenizer.push(tokenizer.eos_token_ids[0], last=True) == (answer[-6:], False)
+
+
+def test_token_texts_join_up_to_the_text(tmp_path):
+    """What logprobs list each token as: a SentencePiece token keeps the space it starts with, as
+    it reads inside the completion's text."""
+    save_byte_fallback_tokenizer(tmp_path)
+    tokenizer, rng = Tokenizer(tmp_path), random.Random(0)
+    prompt_ids = tokenizer.encode_prompt("a", use_chat_template=False)
+    for _ in range(50):
+        words = "".join(rng.choices("ab c  ", k=rng.randint(1, 12)))
+        answer_ids = tokenizer.encode_text(words)
+        text = tokenizer.decode(prompt_ids + answer_ids)[len(tokenizer.decode(prompt_ids)) :]
+        assert "".join(map(tokenizer.token_text, answer_ids)) == text == " " + words
