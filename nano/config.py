@@ -17,6 +17,9 @@ from pathlib import Path
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "DeepseekV2ForCausalLM")
+# A config saved on its own (config.save_pretrained, not the model's) has no `architectures`:
+# transformers' Auto classes then go by model_type, and so do we.
+MODEL_TYPES = dict(zip(("llama", "mistral", "qwen2", "qwen3", "deepseek_v2"), SUPPORTED_ARCHITECTURES))
 
 
 class ConfigError(ValueError):
@@ -88,10 +91,11 @@ def read_json(path: Path, error: type[Exception] = ConfigError) -> dict:
 
 
 def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
-    archs = raw.get("architectures") or []
+    named = raw.get("architectures") or raw.get("model_type")
+    archs = raw.get("architectures") or [MODEL_TYPES.get(raw.get("model_type"))]
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
-        raise ConfigError(f"{source}: unsupported architecture {archs or raw.get('model_type')!r}; "
+        raise ConfigError(f"{source}: unsupported architecture {named!r}; "
                           f"nano supports {', '.join(SUPPORTED_ARCHITECTURES)}")
 
     def need(key):
@@ -111,7 +115,8 @@ def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
             num_layers=int(need("num_hidden_layers")),
             num_heads=num_heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-            head_dim=int(raw.get("head_dim") or hidden // num_heads),
+            # absent, Qwen3's config class makes it 128 (its models' width), the others hidden / heads
+            head_dim=int(raw.get("head_dim", 128 if arch == "Qwen3ForCausalLM" else None) or hidden // num_heads),
             intermediate_size=int(need("intermediate_size")),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
@@ -134,16 +139,18 @@ def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
 
 def _refuse_unsupported(raw: dict, arch: str, cfg: ModelConfig, source: str) -> None:
     """transformers' rules: Mistral slides over `sliding_window` when one is set (4096 when the key is
-    absent); Qwen only with use_sliding_window, on the layers from max_window_layers on (`layer_types`
-    names them in 5.x). Also refused: what would load and then compute something else."""
-    window = raw.get("sliding_window", 4096 if arch == "MistralForCausalLM" else None)
+    absent, for Qwen too); Qwen only with use_sliding_window, on the layers from max_window_layers on
+    (`layer_types` names them in 5.x). Also refused: what would load and then compute something else."""
+    window = raw.get("sliding_window", 4096)  # both families' default; a null window never slides
     if arch == "MistralForCausalLM":
-        slides = window is not None
+        slides = True
+    elif not raw.get("use_sliding_window", False):  # Qwen's config nulls its window then
+        slides = False
     elif "layer_types" in raw:
         slides = "sliding_attention" in raw["layer_types"]
     else:
-        slides = raw.get("use_sliding_window", False) and raw.get("max_window_layers", 28) < cfg.num_layers
-    if slides and window < cfg.max_position_embeddings:
+        slides = raw.get("max_window_layers", 28) < cfg.num_layers
+    if slides and window is not None and window < cfg.max_position_embeddings:
         raise ConfigError(f"{source}: sliding_window {window} is shorter than the context "
                           f"({cfg.max_position_embeddings}): nano has no sliding-window attention")
     # transformers' Llama and DeepSeek read both bias flags, Qwen3 attention_bias; Mistral and Qwen2
@@ -152,6 +159,9 @@ def _refuse_unsupported(raw: dict, arch: str, cfg: ModelConfig, source: str) -> 
     reads_mlp_bias = arch in ("LlamaForCausalLM", "DeepseekV2ForCausalLM")
     if (reads_attention_bias and raw.get("attention_bias")) or (reads_mlp_bias and raw.get("mlp_bias")):
         raise ConfigError(f"{source}: attention_bias and mlp_bias are not supported (nano has q/k/v biases, as Qwen2)")
+    if cfg.num_heads % cfg.num_kv_heads:  # else it loads, then the first request crashes in attention
+        raise ConfigError(f"{source}: num_attention_heads ({cfg.num_heads}) is not a multiple of "
+                          f"num_key_value_heads ({cfg.num_kv_heads})")
     if raw.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers' "swish" is nn.SiLU
         raise ConfigError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported (nano's MLP is SiLU-gated)")
     if raw.get("quantization_config"):

@@ -15,6 +15,7 @@ SHIPPED_CONFIGS = Path(__file__).resolve().parent.parent / "nano" / "configs"
 
 
 def raw_config(family: str, dialect: str, **fields) -> dict:
+    fields = {"num_key_value_heads": 2} | fields  # Mistral's and Qwen's defaults (8, 32) exceed the tests' 4 heads
     raw = getattr(transformers, f"{family}Config")(**LLAMA_TINY, **fields).to_dict()
     if dialect == "v4":  # as written: transformers 5.x also nulls a Qwen window that is switched off
         raw = {k: v for k, v in raw.items() if k != "layer_types"} | fields
@@ -30,6 +31,7 @@ def raw_config(family: str, dialect: str, **fields) -> dict:
     ("Qwen2", dict(use_sliding_window=True, sliding_window=64, max_window_layers=1), True),
     ("Qwen2", dict(use_sliding_window=True, sliding_window=64, max_window_layers=3), False),  # on no layer
     ("Qwen3", dict(use_sliding_window=True, sliding_window=64, max_window_layers=0), True),
+    ("Qwen2", dict(use_sliding_window=True, sliding_window=None, max_window_layers=1), False),  # no window: full
 ])
 def test_sliding_window_is_refused_where_it_acts(family, fields, slides, dialect):
     raw = raw_config(family, dialect, num_attention_heads=4, **fields)
@@ -51,11 +53,22 @@ def test_mistral_without_the_sliding_window_key_slides_over_4096():
         parse_config(raw | {"max_position_embeddings": 8192})
 
 
+@pytest.mark.parametrize("family", ["Qwen2", "Qwen3"])
+def test_qwen_without_the_sliding_window_key_slides_over_4096(family):
+    """transformers' Qwen configs default the window to 4096 too, when use_sliding_window turns it on."""
+    raw = raw_config(family, "v4", num_attention_heads=4, use_sliding_window=True, max_window_layers=1)
+    del raw["sliding_window"]
+    parse_config(raw)  # a context of 256
+    with pytest.raises(ConfigError, match=r"sliding_window 4096 is shorter than the context \(8192\)"):
+        parse_config(raw | {"max_position_embeddings": 8192})
+
+
 @pytest.mark.parametrize("fields, fragment", [
     (dict(hidden_act="gelu"), "hidden_act 'gelu'"),  # it would load and run SiLU
     (dict(quantization_config={"quant_method": "fp8"}), "quantized"),  # fp8 weights, read without their scales
     (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}), "low_freq_factor"),
     (dict(num_attention_heads=0, head_dim=None), "division"),  # head_dim from hidden / heads
+    (dict(num_key_value_heads=3), "not a multiple of num_key_value_heads"),  # attention would crash
 ])
 def test_configs_that_would_compute_something_else_or_crash_are_one_line(fields, fragment):
     raw = raw_config("Llama", "v5", num_attention_heads=4) | fields
@@ -72,6 +85,16 @@ def test_family_fields():
     assert (qwen2.qkv_bias, qwen2.qk_norm, qwen3.qkv_bias, qwen3.qk_norm, qwen3.head_dim) == (True, False, False, True, 32)
     with pytest.raises(ConfigError, match="attention_bias"):
         parse_config(raw_config("Qwen3", "v5", num_attention_heads=4, attention_bias=True))
+
+
+@pytest.mark.parametrize("family", ["Llama", "Mistral", "Qwen2", "Qwen3"])
+def test_head_dim_absent_takes_the_config_class_default(family):
+    """A config.json without head_dim: transformers' config class for the family fills in its own
+    default (Qwen3's is 128, not hidden / heads), which sizes the weights the model loads."""
+    raw = raw_config(family, "v4", num_attention_heads=4, sliding_window=None)
+    raw.pop("head_dim", None)
+    hf = getattr(transformers, f"{family}Config")(**{k: v for k, v in raw.items() if k != "architectures"})
+    assert parse_config(raw).head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
 
 
 @pytest.mark.parametrize("shape", ["qwen3-8b", "qwen2.5-7b"])
@@ -98,3 +121,17 @@ def test_keys_transformers_does_not_act_on_are_accepted(family, fields):
 def test_biases_transformers_adds_are_refused(family, fields):
     with pytest.raises(ConfigError, match="attention_bias and mlp_bias"):
         parse_config(raw_config(family, "v5", num_attention_heads=4, **fields) | fields)
+
+
+@pytest.mark.parametrize("family", ["Llama", "Mistral", "Qwen2", "Qwen3", "DeepseekV2"])
+def test_config_without_architectures_goes_by_model_type(family):
+    """A config saved on its own has `architectures: null`; transformers' AutoModelForCausalLM then
+    picks the class from model_type, and nano must pick the same one."""
+    raw = getattr(transformers, f"{family}Config")(**LLAMA_TINY, num_attention_heads=4, num_key_value_heads=2,
+                                                    kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                                                    v_head_dim=8).to_dict()
+    assert raw["architectures"] is None
+    expected = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[raw["model_type"]]
+    assert parse_config(raw).architecture == expected
+    with pytest.raises(ConfigError, match="unsupported architecture 'gpt2'"):
+        parse_config(raw | {"model_type": "gpt2"})
