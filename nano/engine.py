@@ -45,7 +45,7 @@ import torch
 from nano.config import ConfigError, load_config
 from nano.forward_batch import ForwardBatch, to_device
 from nano.kv_cache import (CPU_KV_CACHE_MAX_BYTES, KVPool, ReqToTokenPool, SlotAllocator, kv_bytes_per_token,
-                           tokens_for_memory)
+                           kv_shapes, tokens_for_memory)
 from nano.loader import WeightError, build_model, load_model, model_bytes
 from nano.memory import NotEnoughMemoryError, ensure_fits
 from nano.radix_cache import RadixCache
@@ -131,6 +131,14 @@ class Engine:
             self.device = self.tp.device
         self.use_mla = config.use_mla and cfg.is_deepseek
         shard_cfg = shard_config(cfg, config.tp_size)  # this rank's heads and KV heads (all of them at tp 1)
+        if config.attention_backend == "triton":  # shapes its kernels cannot run: refused before the weights load
+            from nano.triton_attn import MAX_GROUP, MIN_HEAD_WIDTH  # a CPU run never imports triton
+
+            (kv_heads, k_dim), (_, v_dim) = kv_shapes(shard_cfg, self.use_mla)
+            if min(k_dim, v_dim) < MIN_HEAD_WIDTH or shard_cfg.num_heads // kv_heads > MAX_GROUP:
+                raise ConfigError(f"the Triton attention kernels need heads of at least {MIN_HEAD_WIDTH} channels and "
+                                  f"at most {MAX_GROUP} query heads per KV head, and this model's are {k_dim}/{v_dim} "
+                                  f"wide, {shard_cfg.num_heads // kv_heads} per KV head: use --attention-backend torch")
         self._load_model(model_dir, shard_cfg)
         self._build_kv_cache(shard_cfg)
         req_to_token = self.req_to_token_pool.req_to_token

@@ -62,8 +62,9 @@ from nano.triton_ops import PDL, dot_precision, launch_dependents, wait_for_inpu
 # buffers: max_batch_size * heads * 64 * v_dim floats (Llama-3-8B at 160 requests: 168 MB; MLA:
 # 336 MB). One long request needs many splits to keep every multiprocessor reading.
 MAX_KV_SPLITS = 64
-# One program of decode stage 1 serves all query heads of a KV head, padded to one 16-row tile.
-MAX_GROUP = 16
+# One program of decode stage 1 serves all query heads of a KV head, padded to one 16-row tile. And
+# tl.dot's tiles are 16 wide at least: a narrower head fails to compile on a GPU. (engine.py checks both.)
+MAX_GROUP, MIN_HEAD_WIDTH = 16, 16
 LOG2E = 1.4426950408889634
 # A per-head value projection (MLA's W_UV) rides in the merge at batch 1: a merge program loads its
 # PROJECTION_ROWS rows of the head's matrix before the wait, one launch for the merge and a batched
@@ -77,8 +78,7 @@ SHORT_CONTEXT, SHORT_TILE = 256, (16, 2, 3)
 class TritonAttnBackend:
     def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor, max_batch_size: int, num_heads: int):
         self.kv_pool, self.req_to_token, self.num_heads = kv_pool, req_to_token, num_heads
-        _, self.num_kv_heads, self.k_dim = kv_pool.k_buffers[0].shape
-        self.v_dim = kv_pool.v_buffers[0].shape[-1]
+        (_, self.num_kv_heads, self.k_dim), self.v_dim = kv_pool.k_buffers[0].shape, kv_pool.v_buffers[0].shape[-1]
         self.group = num_heads // self.num_kv_heads  # query heads per KV head
         assert self.group * self.num_kv_heads == num_heads and self.group <= MAX_GROUP
 

@@ -356,12 +356,19 @@ def _argmax_slices_kernel(x_ptr, best_ptr, index_ptr, width, row_stride, num_sli
     row, piece = tl.program_id(0).to(tl.int64), tl.program_id(1)
     cols = piece * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + row * row_stride + cols, mask=cols < width, other=float("-inf")).to(tl.float32)
-    # NaN as +inf, larger than any value as torch's argmax counts it: a comparison with NaN is false,
-    # so a NaN row would end on a masked lane's index, past the vocabulary
-    x = tl.where(x != x, float("inf"), x)
-    best, at = tl.max(x, 0, return_indices=True)  # the first of equal values
+    # torch's argmax counts NaN larger than any value, +inf too: the first NaN wins. A comparison with
+    # NaN is false, so tl.max would skip it, and a NaN row would end on a masked lane past the vocabulary.
+    best, at = tl.max(tl.where(x != x, float("inf"), x), 0, return_indices=True)  # the first of equal values
+    best, at = _first_nan_wins(x, best, at, BLOCK)
     tl.store(best_ptr + row * num_slices + piece, best)
     tl.store(index_ptr + row * num_slices + piece, piece * BLOCK + at)
+
+
+@triton.jit
+def _first_nan_wins(x, best, at, BLOCK: tl.constexpr):
+    """(best, at) of x [BLOCK], or (NaN, the first NaN's lane) where x holds NaN."""
+    first_nan = tl.min(tl.where(x != x, tl.arange(0, BLOCK), BLOCK), 0)
+    return tl.where(first_nan < BLOCK, float("nan"), best), tl.where(first_nan < BLOCK, first_nan, at)
 
 
 @triton.jit
@@ -370,7 +377,8 @@ def _argmax_pick_kernel(best_ptr, index_ptr, out_ptr, num_slices, BLOCK_S: tl.co
     wait_for_inputs()
     row, slices = tl.program_id(0).to(tl.int64), tl.arange(0, BLOCK_S)
     best = tl.load(best_ptr + row * num_slices + slices, mask=slices < num_slices, other=float("-inf"))
-    first_best = tl.argmax(best, 0)  # the first slice of equal values: the lowest index
+    first_best = tl.argmax(tl.where(best != best, float("inf"), best), 0)  # the first slice of equal values
+    _, first_best = _first_nan_wins(best, best, first_best, BLOCK_S)  # but the first NaN slice before all
     tl.store(out_ptr + row, tl.load(index_ptr + row * num_slices + first_best).to(tl.int64))
 
 

@@ -8,6 +8,7 @@ bounds the prefill logits' relative error and prints the token match rate (run w
 import pytest
 import torch
 
+from nano.config import ConfigError
 from nano.engine import Engine, EngineConfig
 from nano.sampling import SamplingParams
 from tests.helpers import LLAMA_TINY, random_prompts, record_logits, save_tiny_deepseek, save_tiny_llama
@@ -92,3 +93,18 @@ def test_float32_triton_equals_torch_on_gpu(tmp_path, monkeypatch, model):
         rel_error = ((logits - ref_logits).norm() / ref_logits.norm()).item()
         assert rel_error < 1e-4, f"{name}: logits relative error {rel_error:.2g}"
         assert out == ref_out, name
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 8), (32, 1, 16)], ids=["8 wide", "32 per KV head"])
+def test_triton_backend_refuses_heads_its_kernels_cannot_run(tmp_path, heads, kv_heads, head_dim):
+    """tl.dot's tiles are 16 wide at least: narrower heads (HF's tiny test models) fail to compile
+    on a GPU, while the interpreter lets them by; and decode serves at most 16 query heads per KV
+    head in one tile. Either is a one-line error before the weights load; the torch backend runs both."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(**LLAMA_TINY, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                   head_dim=head_dim)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="use --attention-backend torch"):
+        Engine(tmp_path, EngineConfig(attention_backend="triton", log=False, max_total_tokens=128))
+    assert len(greedy(tmp_path, "torch", [[1, 2, 3]], max_total_tokens=128)[0]) == 8

@@ -127,9 +127,12 @@ def check_argmax(num_rows: int, width: int, dtype: torch.dtype):
         x[rows, at] = 10.0
     with nan_allocations():
         assert torch.equal(argmax(x), first)
-    x[0, -1] = float("nan")  # NaN counts as larger than any value, as in torch's argmax
+    x[0, 0], x[0, -1] = float("inf"), float("nan")  # NaN counts as larger than any value, +inf too (torch)
     with nan_allocations():
-        assert argmax(x)[0] == width - 1
+        assert argmax(x)[0] == ops.argmax.reference(x)[0] == width - 1  # in the +inf's slice or a later one
+    x[0, 1], x[0, -1] = float("nan"), float("inf")  # the first NaN wins, before a later +inf
+    with nan_allocations():
+        assert argmax(x)[0] == ops.argmax.reference(x)[0] == 1
     x[0] = float("nan")  # a row gone NaN (an overflow upstream) picks the first token, not one past the vocabulary
     with nan_allocations():
         assert argmax(x)[0] == 0
