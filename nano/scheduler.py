@@ -98,8 +98,9 @@ class Request:
     @property
     def kv_len(self) -> int:
         """Tokens whose K/V its row holds, as the host has booked them: what was prefilled, then
-        one more per decode step (the last sampled token has none yet)."""
-        return self.num_tokens - 1 if self.status is Status.RUNNING else self.prefilled
+        one more per decode step (the last sampled token has none yet). Between its prefill and its
+        first token (a sampler that raised there) it holds what was prefilled: all of it goes back."""
+        return max(self.num_tokens - 1, self.prefilled) if self.status is Status.RUNNING else self.prefilled
 
     @property
     def remaining(self) -> int:

@@ -144,3 +144,36 @@ def test_a_prefill_that_raises_gives_back_the_slots_it_took(tmp_path, failing_pa
     whole_context = SamplingParams(max_new_tokens=61, ignore_eos=True)
     plain = Engine(tmp_path, EngineConfig(max_total_tokens=64, radix_cache=False, log=False))
     assert engine.generate([[11, 12, 13]], whole_context) == plain.generate([[11, 12, 13]], whole_context)
+
+
+@pytest.mark.parametrize("radix_cache", [False, True])
+def test_a_sampler_that_raises_after_a_prefill_gives_back_every_slot(tmp_path, monkeypatch, radix_cache):
+    """The pass computed the prompts' K/V, then sampling their first tokens failed: the requests count as
+    running but have no token yet, and the abort must give back every prompt slot (with the cache: the
+    second of two equal prompts keeps its own copy, the first's is in the tree). A slot short, a later
+    request that needs the whole context finds no room for its last token."""
+    from nano import engine as engine_module
+    from nano.engine_process import _step
+
+    save_tiny_llama(tmp_path, "gqa")
+    engine = Engine(tmp_path, EngineConfig(max_total_tokens=64, radix_cache=radix_cache, log=False))
+    real_sample, calls = engine_module.sample, []
+
+    def sample(logits, params, generators):
+        calls.append(len(params))
+        if len(calls) == 1:
+            raise RuntimeError("injected fault")
+        return real_sample(logits, params, generators)
+
+    monkeypatch.setattr(engine_module, "sample", sample)
+    prompt = random_prompts([5], LLAMA_TINY["vocab_size"], seed=3)[0]
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    requests = {i: engine.add_request(prompt, params) for i in range(2)}
+    while requests:
+        _step(engine, requests)
+    assert calls == [2] and not engine.has_work()
+    cached = engine.prefix_cache.size if radix_cache else 0
+    assert engine.slots.available + cached == 64
+    whole_context = SamplingParams(max_new_tokens=61, ignore_eos=True)
+    plain = Engine(tmp_path, EngineConfig(max_total_tokens=64, radix_cache=False, log=False))
+    assert engine.generate([[11, 12, 13]], whole_context) == plain.generate([[11, 12, 13]], whole_context)
