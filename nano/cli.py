@@ -4,14 +4,13 @@ generate, the benchmarks and the server all build an engine from the same flags.
 turns those flags into an `EngineConfig` (engine.py, where every setting's default lives), finds
 the model folder (fetching the embedded default on first use, or a shipped shape for the
 benchmarks), and runs a command inside `cli`: bad input ends with a one-line `error: ...` and exit
-status 2, Ctrl-C with exit status 130, SIGTERM with 143, never with a traceback. It imports only the standard
+status 2, Ctrl-C with exit status 130, never with a traceback. It imports only the standard
 library at its top, so that the seconds spent importing torch happen inside `cli` too.
 """
 
 import argparse
 import importlib.util
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -192,9 +191,6 @@ def one_line_errors() -> tuple[type[Exception], ...]:
 def cli(build_parser, run, argv=None):
     """Parse flags with `build_parser()` and `run(args)`. A known failure ends with one line
     `error: ...` and exit status 2, Ctrl-C with exit status 130, neither with a traceback."""
-    # SIGTERM (`timeout`, a container stopped) unwinds as Ctrl-C does, so cleanups run: Python's
-    # default would end the process at once and leave a half-fetched default model behind.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         errors = one_line_errors()
         try:

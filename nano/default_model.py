@@ -20,6 +20,7 @@ of nano (an editable install included); an installed copy of nano uses the user'
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -61,10 +62,15 @@ def ensure_default_model() -> Path:
     """The default model's folder, fetched and converted first if it is not complete yet."""
     if _is_complete(DEFAULT_MODEL_DIR):
         return DEFAULT_MODEL_DIR
+    # SIGTERM (`timeout`, a container stopped) unwinds as Ctrl-C does, so the scratch folders go
+    # too: Python's default would end the process at once and leave half a model behind.
+    on_sigterm = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         _fetch()
     except (OSError, SafetensorError) as e:  # a full or read-only disk, a file where a folder goes
         raise DefaultModelError(f"could not fetch the default model into {DEFAULT_MODEL_DIR.parent}: {e}") from None
+    finally:
+        signal.signal(signal.SIGTERM, on_sigterm)
     return DEFAULT_MODEL_DIR
 
 
