@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from nano.config import ConfigError, load_config
+from nano.cuda_graph_runner import CudaGraphRunner, GraphCaptureError
 from nano.forward_batch import ForwardBatch, to_device
 from nano.kv_cache import (CPU_KV_CACHE_MAX_BYTES, KVPool, ReqToTokenPool, SlotAllocator, kv_bytes_per_token,
                            kv_shapes, tokens_for_memory)
@@ -127,33 +128,12 @@ class Engine:
         if tp_group is None and config.tp_size > 1:
             tp_group = launch(cfg, config.tp_size, self.device, partial(run_tp_worker, model_dir, config))
         self.tp = tp_group
-        if self.tp is not None:
-            self.device = self.tp.device
-        self.use_mla = config.use_mla and cfg.is_deepseek
-        shard_cfg = shard_config(cfg, config.tp_size)  # this rank's heads and KV heads (all of them at tp 1)
-        if config.attention_backend == "triton":  # shapes its kernels cannot run: refused before the weights load
-            from nano.triton_attn import MAX_GROUP, MIN_HEAD_WIDTH  # a CPU run never imports triton
-
-            (kv_heads, k_dim), (_, v_dim) = kv_shapes(shard_cfg, self.use_mla)
-            if min(k_dim, v_dim) < MIN_HEAD_WIDTH or shard_cfg.num_heads // kv_heads > MAX_GROUP:
-                raise ConfigError(f"the Triton attention kernels need heads of at least {MIN_HEAD_WIDTH} channels and "
-                                  f"at most {MAX_GROUP} query heads per KV head, and this model's are {k_dim}/{v_dim} "
-                                  f"wide, {shard_cfg.num_heads // kv_heads} per KV head: use --attention-backend torch")
-        self._load_model(model_dir, shard_cfg)
-        self._build_kv_cache(shard_cfg)
-        req_to_token = self.req_to_token_pool.req_to_token
-        if config.attention_backend == "triton":
-            from nano.triton_attn import TritonAttnBackend  # a CPU run never imports triton
-
-            self.attn = TritonAttnBackend(self.kv_pool, req_to_token, config.max_running_requests, shard_cfg.num_heads)
-        else:
-            self.attn = TorchAttnBackend(self.kv_pool, req_to_token)
-        self.graph_runner = None
-        if config.cuda_graph:
-            from nano.cuda_graph_runner import CudaGraphRunner  # CUDA only, as above
-
-            max_bs = min(config.cuda_graph_max_bs or config.max_running_requests, config.max_running_requests)
-            self.graph_runner = CudaGraphRunner(self.model, self.attn, max_bs, self.device, self.log)
+        try:
+            self._build(model_dir)
+        except BaseException:  # on rank 0 alone (its GPU short of memory, say): the workers wait in a collective
+            if self.tp is not None and self.tp.rank == 0 and all(w.is_alive() for w in self.tp.workers):
+                self.tp.abandon()  # it will never reach; a worker that failed itself is the watcher's to report
+            raise
         self.stats = dict(prefill_s=0.0, prefill_steps=0, prefill_tokens=0, cached_tokens=0, decode_s=0.0,
                           decode_steps=0, decode_tokens=0, retractions=0, recomputed_tokens=0)
         chunk = CHUNK_SIZES[self.device.type] if config.chunked_prefill_size is None else config.chunked_prefill_size
@@ -162,6 +142,32 @@ class Engine:
         self.in_flight: DecodePass | None = None  # the last decode pass, not yet booked
         self.next_rid = 0
         self.logprobs: dict[int, Logprobs] = {}  # by request id, for requests that ask, until the caller takes them
+
+    def _build(self, model_dir):
+        """The model, the KV cache, the attention backend and the graphs of this rank."""
+        config, cfg = self.config, self.cfg
+        if self.tp is not None:
+            self.device = self.tp.device
+        self.use_mla = config.use_mla and cfg.is_deepseek
+        shard_cfg = shard_config(cfg, config.tp_size)  # this rank's heads and KV heads (all of them at tp 1)
+        if config.attention_backend == "triton":  # heads its kernels cannot run: refused before the weights load
+            from nano.triton_attn import MAX_GROUP, MIN_HEAD_WIDTH, TritonAttnBackend  # a CPU run never imports triton
+            (kv_heads, k_dim), (_, v_dim) = kv_shapes(shard_cfg, self.use_mla)
+            if min(k_dim, v_dim) < MIN_HEAD_WIDTH or shard_cfg.num_heads // kv_heads > MAX_GROUP:
+                raise ConfigError(f"the Triton attention kernels need heads at least {MIN_HEAD_WIDTH} wide, at most "
+                                  f"{MAX_GROUP} per KV head; this model's are {k_dim}/{v_dim} wide, "
+                                  f"{shard_cfg.num_heads // kv_heads} per KV head: use --attention-backend torch")
+        self._load_model(model_dir, shard_cfg)
+        self._build_kv_cache(shard_cfg)
+        req_to_token = self.req_to_token_pool.req_to_token
+        if config.attention_backend == "triton":  # (imported above)
+            self.attn = TritonAttnBackend(self.kv_pool, req_to_token, config.max_running_requests, shard_cfg.num_heads)
+        else:
+            self.attn = TorchAttnBackend(self.kv_pool, req_to_token)
+        self.graph_runner = None
+        if config.cuda_graph:
+            max_bs = min(config.cuda_graph_max_bs or config.max_running_requests, config.max_running_requests)
+            self.graph_runner = CudaGraphRunner(self.model, self.attn, max_bs, self.device, self.log)
 
     def _load_model(self, model_dir, shard_cfg):
         """Check that the weights, the request table and a KV cache of the size asked for (or, failing
@@ -430,14 +436,14 @@ def run_tp_worker(model_dir, config: EngineConfig, rank: int, port: int, pipe):
     """A tensor-parallel worker's life (tp.py): build the engine's rank `rank`, then run every
     forward pass rank 0 sends, a graph replay when one fits, as on rank 0. A one-line error while
     it builds (a weight missing, a GPU without room) ends it as it ends a command: that line, status 2."""
-    from nano.cuda_graph_runner import GraphCaptureError
-
     try:
         group = TensorParallel(rank, config.tp_size, port, rank_device(torch.device(config.device), rank), pipes=[pipe])
         engine = Engine(model_dir, replace(config, log=False), tp_group=group)
+        while (batch := group.receive_batch(engine.req_to_token_pool.req_to_token)) is not None:
+            engine.forward(batch)
     except (ConfigError, WeightError, NotEnoughMemoryError, GraphCaptureError) as e:  # cli's that a rank meets
         print(f"error: tensor-parallel rank {rank}: {e}", file=sys.stderr)
         sys.exit(2)
-    while (batch := group.receive_batch(engine.req_to_token_pool.req_to_token)) is not None:
-        engine.forward(batch)
+    except KeyboardInterrupt:  # Ctrl-C reaches every process of the terminal's group: rank 0 reports it
+        sys.exit(130)
     engine.close()

@@ -203,8 +203,10 @@ def _engine_process(build_engine, inbox, outbox):
     except one_line_errors() as e:
         outbox.put(StartFailed(str(e)))
         return
-    run_engine(engine, inbox, outbox)
-    engine.close()
+    try:
+        run_engine(engine, inbox, outbox)
+    finally:  # its tensor-parallel workers outlive SIGTERM: multiprocessing's exit would wait for them forever
+        engine.close()
 
 
 # ---- the HTTP side's handle on it -------------------------------------------------------------------

@@ -61,6 +61,7 @@ import contextlib
 import math
 import multiprocessing.connection
 import os
+import signal
 import socket
 import sys
 import threading
@@ -71,6 +72,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from nano.config import ConfigError, ModelConfig
 from nano.forward_batch import ForwardBatch
@@ -126,12 +128,13 @@ class TensorParallel:
         on_gpu = device.type == "cuda"
         if on_gpu:
             torch.cuda.set_device(device)  # Triton launches and graph capture use the current device
+        if rank == 0:  # from before the rendezvous, which waits 30 minutes for a worker that died before it joined
+            threading.Thread(target=self._exit_if_a_worker_dies, daemon=True).start()
         dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                                 rank=rank, world_size=size, device_id=device if on_gpu else None)
         self.group = dist.group.WORLD
         self.all_reduce(torch.zeros(1, device=device))  # connect now, not inside a graph capture
         if rank == 0:
-            threading.Thread(target=self._exit_if_a_worker_dies, daemon=True).start()
             atexit.register(self.close)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -201,7 +204,7 @@ class TensorParallel:
         for worker in self.workers:
             worker.join(timeout=30)
             if worker.is_alive():
-                worker.terminate()
+                worker.kill()  # not terminate(): it may outlive SIGTERM (_run_worker)
 
     def out_of_step(self):
         """Rank 0: a forward pass failed here after the workers were handed it. They wait in one of its
@@ -210,18 +213,23 @@ class TensorParallel:
         traceback.print_exc()
         print("error: a forward pass failed on tensor-parallel rank 0 after the other ranks began it; "
               "they cannot be brought back in step", file=sys.stderr, flush=True)
+        self.abandon()
+        os._exit(1)
+
+    def abandon(self):
+        """Rank 0: kill the workers, which wait in a collective this rank will never reach."""
         self.closed = True  # the watcher below would report the workers killed here as workers that died
         for worker in self.workers:
             worker.kill()
-        os._exit(1)
 
     def _exit_if_a_worker_dies(self):
         """A rank that died leaves the others waiting in a collective forever: end rank 0 too."""
-        multiprocessing.connection.wait([w.sentinel for w in self.workers])
-        if not self.closed:
-            dead = [(i + 1, w.exitcode) for i, w in enumerate(self.workers) if w.exitcode is not None]
-            if all(code == 2 for _, code in dead):  # each printed its one-line error (engine.run_tp_worker)
-                os._exit(2)
+        ended = multiprocessing.connection.wait([w.sentinel for w in self.workers])
+        if not self.closed:  # (a sentinel fires as the process closes its files, before its exit code is there)
+            dead = [(i + 1, w.join() or w.exitcode) for i, w in enumerate(self.workers) if w.sentinel in ended]
+            for quiet in (2, 130):  # each printed its one-line error, or met Ctrl-C (engine.run_tp_worker)
+                if all(code == quiet for _, code in dead):
+                    os._exit(quiet)
             died = ", ".join(f"rank {rank} (exit code {code})" for rank, code in dead)
             print(f"error: tensor-parallel worker {died} stopped; its error is printed above", file=sys.stderr)
             os._exit(1)
@@ -243,14 +251,24 @@ def launch(cfg: ModelConfig, size: int, device: torch.device, worker) -> TensorP
         port = s.getsockname()[1]
     context = torch.multiprocessing.get_context("spawn")
     pipes, workers = [], []
+    stays = callable(signal.getsignal(signal.SIGTERM))  # rank 0 outlives SIGTERM: see _run_worker
     for rank in range(1, size):
         receiver, sender = context.Pipe(duplex=False)
-        process = context.Process(target=worker, args=(rank, port, receiver), daemon=True)
+        process = context.Process(target=_run_worker, args=(stays, worker, rank, port, receiver), daemon=True)
         process.start()
         receiver.close()
         pipes.append(sender)
         workers.append(process)
     return TensorParallel(0, size, port, rank_device(device, 0), pipes, workers)
+
+
+def _run_worker(outlives_sigterm: bool, worker, *args):
+    """A worker outlives SIGTERM where rank 0 does: the server's engine process lets its requests finish first
+    (engine_process.py), and a service manager's SIGTERM reaches every process of the service."""
+    if outlives_sigterm:
+        signal.signal(signal.SIGTERM, lambda *_: None)
+    tqdm.set_lock(threading.RLock())  # tqdm's own is a multiprocessing lock, which a worker rank 0 kills leaves behind
+    worker(*args)
 
 
 # ---- the model's communication ----------------------------------------------------------------

@@ -86,7 +86,7 @@ BUGS = [
         "q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)", "q = q",
         ["tests/test_llama_parity.py::test_prefill_and_decode_match_hf[qwen3-qk-norm-tied]"]),
     Bug("scheduler: a finished request also gives back its never-written last position", "nano/scheduler.py",
-        "return self.num_tokens - 1 if self.status is Status.RUNNING", "return self.num_tokens if self.status is Status.RUNNING",
+        "return max(self.num_tokens - 1, self.prefilled) if", "return max(self.num_tokens, self.prefilled) if",
         ["tests/test_kv_cache.py::test_batch_equals_single_runs_and_more_prompts_than_pool",
          "tests/test_radix_cache.py"]),
     Bug("scheduler: a retracted request loses the tokens it generated", "nano/scheduler.py",

@@ -8,6 +8,8 @@ On two GPUs (skipped elsewhere) the ranks talk over NCCL, and greedy tokens with
 capture the all-reduce, must equal eager decoding of the same batches."""
 
 import gc
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -23,7 +25,7 @@ from nano.cuda_graph_runner import StaticDecodeInputs
 from nano.cli import SHIPPED_CONFIGS
 from nano.loader import _fill_random, build_model, load_model
 from nano.sampling import SamplingParams
-from nano.tp import checkpoint_shard, shard_config
+from nano.tp import TensorParallel, checkpoint_shard, shard_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -294,3 +296,117 @@ def _running_after(pid: int, seconds: float) -> bool:
             return False
         time.sleep(0.2)
     return True
+
+
+def _rank_0_script(tmp_path, body: str) -> str:
+    """A command (nano.cli's cli) that runs `body` with `path`, a tiny model's folder, and prints its worker's pid."""
+    save_tiny_llama(tmp_path, "gqa4-tied")
+    lines = "".join(f"    {line}\n" for line in body.strip().splitlines())
+    return (f"import os, signal, sys, threading, time\nimport nano.engine as ne\nfrom nano.cli import cli\n"
+            f"from nano.sampling import SamplingParams\npath = {str(tmp_path)!r}\n"
+            f"def run(args):\n{lines}"
+            f"if __name__ == '__main__':\n    cli(lambda: __import__('argparse').ArgumentParser(), run, [])\n")
+
+
+def test_ctrl_c_under_tp_ends_every_rank_without_a_traceback(tmp_path):
+    """Ctrl-C reaches the terminal's whole process group, the workers too: exit status 130 as at tp 1,
+    no worker's traceback, no worker left."""
+    code = _rank_0_script(tmp_path, """
+engine = ne.Engine(path, ne.EngineConfig(tp_size=2, max_total_tokens=4000, log=False))
+print("worker", engine.tp.workers[0].pid, flush=True)
+engine.generate([[5, 6, 7]] * 8, SamplingParams(max_new_tokens=3000, ignore_eos=True))
+""")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    worker = int(proc.stdout.readline().split()[1])
+    time.sleep(1)  # decoding
+    os.killpg(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in stderr, stderr
+    assert not _running_after(worker, 10)
+
+
+def test_rank_0_failing_alone_at_startup_is_one_line(tmp_path):
+    """Rank 0's GPU short of memory while rank 1's has room: rank 1 waits for rank 0 in the KV cache's
+    sizing. The command ends with rank 0's one line and status 2, no traceback or warning from rank 1."""
+    code = _rank_0_script(tmp_path, """
+def planted(*_):
+    time.sleep(2)  # rank 1 gets past its own check meanwhile
+    raise ne.NotEnoughMemoryError("planted: rank 0 has no room")
+ne.ensure_fits = planted
+ne.Engine(path, ne.EngineConfig(tp_size=2, max_total_tokens=64, log=False))
+""")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.strip() == "error: planted: rank 0 has no room", result.stderr
+
+
+def test_a_worker_that_dies_before_the_rendezvous_ends_rank_0(tmp_path):
+    """A worker that dies while it starts (its GPU fails to initialise, say) would leave rank 0 in the
+    process group's rendezvous for its 30-minute timeout."""
+    code = _rank_0_script(tmp_path, """
+spawned = __import__("multiprocessing").get_context("spawn").Process
+real_start = spawned.start
+def start_and_kill(process):
+    real_start(process)
+    os.kill(process.pid, signal.SIGKILL)
+spawned.start = start_and_kill
+ne.Engine(path, ne.EngineConfig(tp_size=2, max_total_tokens=64, log=False))
+""")
+    try:
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("rank 0 waits for a worker that died")
+    assert result.returncode == 1, result.stderr
+    assert "error: tensor-parallel worker rank 1 (exit code -9)" in result.stderr, result.stderr
+
+
+def test_the_watcher_reads_the_exit_code_of_a_worker_that_died(monkeypatch, capsys):
+    """A worker's sentinel fires as it closes its files, a moment before its exit code can be read: the
+    watcher must still say which worker stopped and how, not exit with status 2 and nothing printed."""
+    read, write = os.pipe()
+    os.close(write)  # the worker's end: closed, as at its exit
+
+    class Dying:  # its exit code appears once waited for
+        sentinel, exitcode = read, None
+
+        def join(self):
+            self.exitcode = -9
+
+    group = object.__new__(TensorParallel)
+    group.workers, group.closed = [Dying()], False
+    monkeypatch.setattr(os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    with pytest.raises(SystemExit) as exit_:
+        group._exit_if_a_worker_dies()
+    os.close(read)
+    assert exit_.value.code == 1
+    assert "error: tensor-parallel worker rank 1 (exit code -9) stopped" in capsys.readouterr().err
+
+
+def test_the_servers_engine_at_tp2_outlives_a_service_managers_sigterm(tmp_path):
+    """systemd stops a service with SIGTERM to each of its processes (test_server: the request in flight
+    finishes, then the server stops the engine). The engine process outlives it; its workers must too,
+    or the request fails and the engine exits with status 1."""
+    from nano.engine_process import AddRequest, Shutdown, start_engine_process
+
+    save_tiny_llama(tmp_path, "gqa4-tied")
+    client = start_engine_process(partial(Engine, str(tmp_path), EngineConfig(tp_size=2, max_total_tokens=400,
+                                                                             log=False)))
+    ranks = [client.worker.pid] + [int(pid) for pid in subprocess.run(
+        ["pgrep", "-P", str(client.worker.pid)], capture_output=True, text=True).stdout.split()]
+    assert len(ranks) >= 2  # the engine process and its worker (and the resource tracker, which ignores SIGTERM)
+    try:
+        client.inbox.put(AddRequest(0, [5, 6, 7], SamplingParams(max_new_tokens=200, ignore_eos=True), set()))
+        tokens = []
+        while not tokens or tokens[-1].finish_reason is None:
+            events = client.outbox.get(timeout=30).events
+            assert all(hasattr(event, "finish_reason") for _, event in events), events  # no APIError
+            tokens += [event for _, event in events]
+            if len(tokens) >= 5 and len(tokens) - len(events) < 5:
+                for pid in ranks:
+                    os.kill(pid, signal.SIGTERM)
+        assert len(tokens) == 200
+        client.inbox.put(Shutdown())
+        client.worker.join(60)
+        assert client.worker.exitcode == 0
+    finally:
+        client.worker.kill()
