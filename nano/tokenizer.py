@@ -121,7 +121,7 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         # The rendered text already holds every special token the model should see.
-        return self._tokenizer.encode(self.apply_chat_template(messages), add_special_tokens=False).ids
+        return self._encode(self.apply_chat_template(messages), add_special_tokens=False)
 
     def encode_prompt(self, prompt: str, use_chat_template: bool) -> list[int]:
         """One prompt: as a single user turn through the chat template, or as raw text."""
@@ -129,14 +129,19 @@ class Tokenizer:
             return self.encode_chat([{"role": "user", "content": prompt}])
         if self.add_bos_token is False:
             return self.encode_text(prompt)
-        ids = self._tokenizer.encode(prompt).ids  # the post-processor adds what it adds (Llama-3: BOS)
+        ids = self._encode(prompt, add_special_tokens=True)  # the post-processor adds what it adds (Llama-3: BOS)
         if self.add_bos_token and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids
 
     def encode_text(self, text: str) -> list[int]:
         """The text's own tokens, without BOS or any other special token added."""
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+        return self._encode(text, add_special_tokens=False)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        # encode_batch lets go of Python's lock while it works, encode holds it throughout: the server
+        # tokenizes in a thread, and a 4 MB prompt's seconds would stall its event loop, every stream
+        return self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], special_tokens: bool = False) -> str:
         """The ids' text: without special tokens, as generated text is printed, or with them."""

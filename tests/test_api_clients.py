@@ -5,6 +5,7 @@ local-completions against its own `--model hf` on small local tasks (generation 
 choice); and the request shapes of SGLang's and vLLM's serving benchmarks."""
 
 import json
+import random
 import urllib.request
 
 import pytest
@@ -100,6 +101,27 @@ def test_openai_n_samples_with_a_seed_differ_and_repeat(server):
     # choice j is sample j of the same prompt: with seed s + j, alone, it is the same text
     alone = client.completions.create(**{**ask, "n": 1, "seed": 8})
     assert alone.choices[0].text == texts[1]
+
+
+def test_openai_stream_helper_takes_n_choices(server):
+    """openai's stream helper numbers a stream's choices in the order they first appear (an IndexError
+    when choice 1 came before choice 0); vLLM sends every choice's first chunk in index order, and so
+    must nano, whose first tokens of all choices come together. The helper's choices are the ones the
+    same request gets without streaming."""
+    client = openai.OpenAI(base_url=server + "/v1", api_key="none")
+    seed = random.randrange(2**31)
+    ask = dict(model=NAME, messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=3, n=4, seed=seed)
+    for attempt in range(3):  # first chunks in a random order would pass by chance 1 time in 24
+        with client.chat.completions.stream(**ask) as stream:
+            for _ in stream:  # (get_final_completion refuses a finish_reason of "length")
+                pass
+            streamed = stream.current_completion_snapshot
+        reply = client.chat.completions.create(**ask)
+        assert [c.message.content for c in streamed.choices] == [c.message.content for c in reply.choices]
+    # the completions stream too: each choice's first chunk in index order
+    body = dict(model=NAME, prompt=["Once upon a time", "The sea"], max_tokens=2, n=3, seed=seed, stream=True)
+    chunks = [chunk.choices[0].index for chunk in client.completions.create(**body)]
+    assert list(dict.fromkeys(chunks)) == list(range(6)), chunks
 
 
 def test_openai_list_prompts_and_models_retrieve(server):

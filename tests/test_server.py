@@ -8,6 +8,7 @@ import http.client
 import json
 import os
 import queue
+import random
 import signal
 import threading
 import time
@@ -622,6 +623,34 @@ def test_null_takes_the_default(server):
     status, reply = call(server, "/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                                              logprobs=None, top_logprobs=None, **nulls))
     assert status == 200 and reply["usage"]["completion_tokens"] <= 2, reply
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
+def test_a_long_prompt_is_tokenized_off_the_event_loop(server, path):
+    """Tokenizing a prompt near the body's 4 MB limit takes seconds; on the event loop, every other
+    request and stream waited them out (vLLM tokenizes off its event loop too)."""
+    rng = random.Random(0)
+    text = " ".join(rng.choice(["sea", "wave", "salt", "tide", "foam", "gull"]) for _ in range(MAX_BODY_BYTES // 5))
+    body = {"prompt": text} if path == "/tokenize" else {"prompt": text, "max_tokens": 1}
+    if path == "/v1/chat/completions":
+        body = {"messages": [{"role": "user", "content": body.pop("prompt")}], **body}
+    done = {}
+
+    def send():
+        started = time.perf_counter()
+        done["status"] = call(server, path, body)[0]
+        done["took"] = time.perf_counter() - started
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    waits = []
+    while sender.is_alive():  # /health, again and again while the prompt is sent and tokenized
+        started = time.perf_counter()
+        assert call(server, "/health")[0] == 200
+        waits.append(time.perf_counter() - started)
+    sender.join()
+    assert done["status"] == (200 if path == "/tokenize" else 400)  # too long for the context
+    assert max(waits) < done["took"] / 4, (max(waits), done["took"])
 
 
 def test_detokenize_gives_back_what_tokenize_took(server):
