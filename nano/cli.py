@@ -63,8 +63,8 @@ def add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--context-length", type=int, help="tokens per request; default: the model's")
     p.add_argument("--disable-mla", action="store_true", help="DeepSeek: plain multi-head attention, expanded K/V")
     p.add_argument("--disable-cuda-graph", action="store_true", help="decode without CUDA graphs on GPU")
-    p.add_argument("--cuda-graph-max-bs", type=int,
-                   help="largest decode batch captured as a CUDA graph (default: --max-running-requests)")
+    p.add_argument("--cuda-graph-max-bs", type=int, help="largest decode batch in a CUDA graph, rounded down "
+                   "to 1, 2, 4 or a multiple of 8 (default: --max-running-requests)")
     p.add_argument("--disable-radix-cache", action="store_true", help="compute every prompt in full")
     p.add_argument("--disable-overlap", action="store_true",
                    help="book each decode pass's tokens before launching the next")

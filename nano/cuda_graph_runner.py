@@ -5,7 +5,7 @@ driver spend a few microseconds launching each of several hundred kernels, and t
 A CUDA graph records the launches once, with their arguments (pointers, grid sizes), and replays
 the whole sequence with one call. The price: every replay reuses the same memory and the same
 shapes. So the runner
-- captures one graph per batch bucket (forward_batch.py: 1, 2, 4, 8, 16, 24, ..., max_bs), largest
+- captures one graph per batch bucket (forward_batch.py: 1, 2, 4, 8, 16, 24, ... up to max_bs), largest
   first, all sharing one memory pool (the graphs never run at once, so they reuse each other's
   memory). What a graph records is the attention backend's per-pass metadata *and* the model:
   both run on the device only (the `AttentionBackend` contract);

@@ -249,7 +249,7 @@ class Engine:
         started = time.perf_counter()
         events = []
         if self.in_flight and self.scheduler.wants_prefill():  # admission needs the running set settled
-            events = self._book(self.in_flight)  # (only when a prompt arrived since the last step)
+            events = self._book(self.in_flight)  # (whenever a prompt waits, even one with no room yet)
         chunks = self.scheduler.schedule_prefill()
         kind, new_events = ("prefill", self._prefill(chunks)) if chunks else ("decode", self._decode())
         events += new_events
@@ -321,8 +321,8 @@ class Engine:
         reqs = self.scheduler.schedule_decode()
         self.in_flight = self._launch_decode(reqs, prev) if reqs else None
         events += self._book(prev) if prev else []
-        if self.in_flight and (not self.config.overlap or self.scheduler.wants_prefill()):  # a prefill is
-            events += self._book(self.in_flight)  # next: hand this pass's tokens out before it
+        if self.in_flight and (not self.config.overlap or self.scheduler.wants_prefill()):  # a prompt waits:
+            events += self._book(self.in_flight)  # the next step's admission needs this pass booked
         return events
 
     def _launch_decode(self, reqs: list[Request], prev: DecodePass | None) -> DecodePass:

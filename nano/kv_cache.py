@@ -15,8 +15,8 @@ The pool is sized from the memory left after the weights are loaded (`mem_fracti
 explicit token count; the engine prints the resulting capacity. On CPU the fraction is taken of the
 host's available memory and capped at `CPU_KV_CACHE_MAX_BYTES`: the host is shared with everything
 else the user runs, the pool is zeroed up front (about a second per GiB), and at CPU decode speeds
-a larger pool would never fill. 1 GiB holds a full 8k context of Llama-3-8B in bfloat16, or 23k
-tokens of SmolLM2-135M in float32; `--max-total-tokens` asks for more.
+a larger pool would never fill. 1 GiB holds 8,191 tokens of Llama-3-8B in bfloat16 (slot 0 takes
+the 8,192nd), or 23k of SmolLM2-135M in float32; `--max-total-tokens` asks for more.
 """
 
 import torch

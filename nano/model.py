@@ -19,7 +19,7 @@ Three things make the code below differ from a training implementation:
   GPU: ops.py), so a layer hands on its output and the residual stream separately. That kernel
   can also finish the matmul before it: on the GPU, o_proj and down_proj (`split_k`) multiply the
   two halves of their input apart at decode sizes, and the add sums the two products.
-- only the last token of each request gets logits: that is all sampling needs.
+- only the last token of each request gets logits, all sampling needs (prompt logprobs: every row).
 
 Loading weights into these modules is loader.py's job; each model only says where a checkpoint
 tensor goes (`checkpoint_layout`). Splitting the model across GPUs is tp.py's: it builds these same

@@ -54,7 +54,7 @@ H200: 8 bf16 values are one 16-byte load, so a warp covers 256 columns of a row.
 and two float32 tiles of 64 registers; at batch 1 it runs 8 * 88 = 704 programs. down: 8 slots by
 BLOCK_N = 16 rows by BLOCK_K = 128 is 16 loads a thread per step into a float32 tile of 128
 registers. A single token would get only 128 such programs, about one a multiprocessor, so it
-takes 8 rows by 256 columns on 8 warps: twice the programs, each thread the same 16 loads a step
+takes 8 rows by 256 columns on 8 warps: twice the programs, each thread 8 such loads a step
 (on an H200, 14.8 against 16.2 us a layer; at 4 tokens the 16-row tile is faster, 33.5 against
 39.5). Either way all of an H200's 132 multiprocessors keep tens of kilobytes in flight: what
 streaming at full bandwidth takes. Both products of one layer at batch 1 take about 41 us, 3.4
@@ -280,7 +280,7 @@ def down_matvec(h: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor,
     return out
 
 
-# The pairs the alignment walks a step: 1,024 ids are 8 a thread of its 8 warps.
+# The pairs the alignment walks a step: 1,024 ids are 4 a thread of its 8 warps.
 ALIGN_BLOCK_P = 1024
 
 

@@ -9,11 +9,11 @@ admitted and gave its room back; it waits at the front of the queue with its tok
 Admission is a bet. A request's output length is unknown until it stops, and most stop long
 before their budget (a chat request without `max_tokens` may run to the whole context). Reserving
 every request's budget is safe but, for chat traffic, lets only a few requests run. So, as SGLang
-does, a request is admitted when the pool holds its prompt plus an *estimate* of what the running
-requests will still need: `new_token_ratio` x min(remaining budget, 4096) each. The clip keeps one
-huge budget from counting as a pool's worth (it changes the estimate, never when a request
-stops). The ratio starts at 0.7 and decays with every decode step toward 0.1: requests that keep
-stopping early teach the scheduler to admit more.
+does, a request is admitted when the pool holds its prompt plus an *estimate* of what it and the
+running requests will still need: `new_token_ratio` x min(remaining budget, 4096) each. The clip
+keeps one huge budget from counting as a pool's worth (it changes the estimate, never when a
+request stops). The ratio starts at 0.7 and decays with every decode step toward 0.1: requests
+that keep stopping early teach the scheduler to admit more.
 
 A lost bet is paid by a retraction. When a decode step cannot give every running request its next
 slot, requests are taken out of the batch until it can. Which: the one with the fewest generated

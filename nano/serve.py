@@ -19,10 +19,10 @@ KV slots return to the pool at once; SIGINT/SIGTERM stop accepting connections, 
 requests finish, and exit 0. The routes below find the engine's client, the tokenizer and the
 model's name on `app.state`.
 
-A request with several choices (several prompts, or `n`) submits them all at once, so one prefill
-computes them together; a stream then carries each choice's tokens as they come, one choice per
-event, named by its index. Logprobs come from the engine with each token (sampling.py says which);
-this side only spells out each token's text.
+A request with several choices (several prompts, or `n`) submits them all at once, so they prefill
+together (`n` samples of 32+ tokens: one computes the prompt, the rest find it cached a step later);
+a stream carries each choice's tokens as they come, one choice per event, named by its index.
+Logprobs come from the engine with each token (sampling.py); this side only spells out each token's text.
 
 Extensions to OpenAI's API, as SGLang and vLLM have them: `top_k`, `ignore_eos`, and the generated
 `token_ids` in every choice, so a server without a tokenizer (a shipped shape with dummy weights)

@@ -34,7 +34,7 @@ once, the split counts are computed on the device from `seq_lens`, and the buffe
 results are allocated once at the largest batch size and sliced. The cap matters: a grid of 64
 splits for each of 160 requests launches 80,000 programs, nearly all empty, and scheduling them
 cost more than the attention itself. Nor can the tile follow the lengths: a batch that fills the
-GPU launches stage 1 twice, and a request's length picks the launch that serves it.
+GPU launches stage 1 twice (heads up to 128 wide), and a request's length picks the launch that serves it.
 
 Before either, one small kernel copies the new tokens' K/V into their pool slots (`out_cache_loc`).
 

@@ -20,7 +20,7 @@ sys.path.insert(0, ".")
 import nano.triton_attn as triton_attn  # noqa: E402
 
 POINTERS = {"q": "*bf16", "k_cache": "*bf16", "v_cache": "*bf16", "partial_out": "*fp32", "partial_lse": "*fp32",
-            "out": "*bf16", "req_to_token": "*i32", "req_pool_indices": "*i64", "seq_lens": "*i64",
+            "out": "*bf16", "req_to_token": "*i32", "req_pool_indices": "*i32", "seq_lens": "*i32",
             "num_kv_splits": "*i32"}
 
 
