@@ -50,8 +50,8 @@ from nano.kv_cache import (CPU_KV_CACHE_MAX_BYTES, KVPool, ReqToTokenPool, SlotA
 from nano.loader import WeightError, build_model, load_model, model_bytes
 from nano.memory import NotEnoughMemoryError, ensure_fits
 from nano.radix_cache import RadixCache
-from nano.sampling import Logprobs, SamplingParams, logprob_entries, sample, token_logprobs
-from nano.scheduler import Request, Scheduler, Status
+from nano.sampling import Logprobs, SamplingParams, integral, logprob_entries, sample, token_logprobs
+from nano.scheduler import Request, Scheduler, Status, check_request
 from nano.torch_attn import TorchAttnBackend
 from nano.tp import TensorParallel, launch, parallelize, rank_device, shard_config
 
@@ -93,12 +93,14 @@ class EngineConfig:
     def validate(self):
         """Raise ValueError with a one-line message for a setting that makes no sense."""
         for name in ("max_total_tokens", "max_running_requests", "context_length", "cuda_graph_max_bs", "tp_size",
-                     "max_prefill_tokens"):
+                     "max_prefill_tokens", "threads"):
             value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"{name.replace('_', '-')} must be > 0, got {value}")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"threads must be >= 1, got {self.threads}")
+            if value is not None and (not integral(value) or value <= 0):  # 1.5 or NaN would fail deep inside
+                raise ValueError(f"{name.replace('_', '-')} must be > 0 (an integer), got {value}")
+        for name, known in (("attention_backend", ("torch", "triton")), ("load_format", ("safetensors", "dummy")),
+                            ("dtype", (torch.float32, torch.float16, torch.bfloat16))):  # not a silent fallback
+            if getattr(self, name) not in known:
+                raise ValueError(f"{name.replace('_', '-')} must be one of {known}, got {getattr(self, name)!r}")
         if (self.chunked_prefill_size or 0) < -1:
             raise ValueError(f"chunked-prefill-size must be > 0, or 0 or -1 for off; got {self.chunked_prefill_size}")
         if not 0 < self.mem_fraction < 1:  # NaN fails this too
@@ -218,14 +220,7 @@ class Engine:
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, stop_ids=()) -> Request:
         """Queue a request; raises ValueError (one line) if it can never run."""
-        params.validate()
-        if not prompt_ids:
-            raise ValueError("empty prompt")
-        if not all(0 <= t < self.cfg.vocab_size for t in prompt_ids):  # an embedding lookup past its table
-            raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size}): the model's vocabulary")
-        if len(prompt_ids) >= self.context_length:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the context holds {self.context_length} "
-                             "(prompt plus at least one new token)")
+        check_request(prompt_ids, params, self.cfg.vocab_size, self.context_length)
         # never generate past the context (a copy: the caller's params may serve other requests)
         params = replace(params, max_new_tokens=min(params.max_new_tokens, self.context_length - len(prompt_ids)))
         req = Request(self.next_rid, list(prompt_ids), params, set() if params.ignore_eos else set(stop_ids))
@@ -241,8 +236,7 @@ class Engine:
         self.logprobs.pop(req.rid, None)
 
     def has_work(self) -> bool:
-        s = self.scheduler
-        return bool(s.waiting or s.running or s.chunked or self.in_flight)
+        return bool(self.scheduler.waiting or self.scheduler.running or self.scheduler.chunked or self.in_flight)
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[tuple[Request, int]]:
@@ -384,6 +378,8 @@ class Engine:
         model, eagerly (the same pass a graph recorded)."""
         if self.tp is None or self.tp.rank != 0:
             return self._run(batch)
+        if self.tp.closed:  # after close(): its workers are gone, and a pass sent to them ends this process
+            raise RuntimeError("the engine is closed: its tensor-parallel workers have stopped")
         try:  # the other ranks run the same pass
             self.tp.send_batch(batch, self.req_to_token_pool.req_to_token)
             return self._run(batch)
@@ -419,7 +415,12 @@ class Engine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], stop_ids=()):
         """Run prompts to completion; -> list of output token lists, in prompt order."""
-        params = params if isinstance(params, list) else [params] * len(prompts)
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params) != len(prompts):  # zip would drop the prompts past the shorter list
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params: give one, or one per prompt")
+        stop_ids = set(stop_ids)  # an iterator would reach the first prompt alone
+        for prompt, sp in zip(prompts, params):  # all checked before any is queued: a bad one must not leave the
+            check_request(prompt, sp, self.cfg.vocab_size, self.context_length)  # others to run with the next call
         reqs = [self.add_request(p, sp, stop_ids) for p, sp in zip(prompts, params)]
         for _ in self.stream():
             pass

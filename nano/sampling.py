@@ -15,6 +15,7 @@ on the GPU a split reduction (triton_ops.py), a few microseconds where torch's t
 """
 
 import math
+import numbers
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -44,6 +45,10 @@ class SamplingParams:
 
     def validate(self):
         """Raise ValueError with a one-line message for a setting that makes no sense."""
+        for name in ("top_k", "max_new_tokens", "seed", "logprobs"):  # a NaN or 2.5 would fail a later step, every step
+            value = getattr(self, name)
+            if value is not None and not integral(value):
+                raise ValueError(f"{name.replace('_', '-')} must be an integer, got {value!r}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -58,6 +63,11 @@ class SamplingParams:
             raise ValueError("prompt-logprobs needs logprobs")
         if self.max_new_tokens < 1:
             raise ValueError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
+
+
+def integral(value) -> bool:
+    """An integer (numpy's too), not a bool, NaN or 2.5: what a count, a size or a seed must be."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclass

@@ -52,6 +52,18 @@ SHARED_HEAD = 32  # prompt tokens that, computed by another request in the same 
 INITIAL_RATIO, MIN_RATIO, RATIO_DECAY, RETRACT_BACKOFF = 0.7, 0.1, 0.001, 0.3
 
 
+def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int, context_length: int):
+    """Raise ValueError (one line) for a request that can never run."""
+    params.validate()
+    if not prompt_ids:
+        raise ValueError("empty prompt")
+    if not all(0 <= t < vocab_size for t in prompt_ids):  # an embedding lookup past its table
+        raise ValueError(f"token ids must be in [0, {vocab_size}): the model's vocabulary")
+    if len(prompt_ids) >= context_length:
+        raise ValueError(f"prompt has {len(prompt_ids)} tokens; the context holds {context_length} "
+                         "(prompt plus at least one new token)")
+
+
 class Status(Enum):
     WAITING = "waiting"  # queued, holding nothing
     PREFILLING = "prefilling"  # admitted; its prompt is part-way through chunked prefill

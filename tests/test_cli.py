@@ -274,7 +274,7 @@ def test_help_shows_defaults_and_examples(module):
     (["--peak-bandwidth", "nan"], "--peak-bandwidth"),
     (["--max-total-tokens", "200", "--batch-size", "2"], "does not fit"),  # else it times one at a time
     (["--device", "cpu", "--tp-size", "2"], "splits the model over GPUs, and this run has none"),
-    (["--device", "cpu", "--threads", "0"], "--threads must be >= 1"),
+    (["--device", "cpu", "--threads", "0"], "--threads must be > 0"),
 ])
 def test_bad_engine_flags(flags, fragment):
     """Flag errors come before any model is loaded (a batch that does not fit the KV cache once it is

@@ -58,6 +58,7 @@ def test_stop_ids_end_requests_on_their_own(tmp_path):
     assert stopped[1] == free_run[1][: free_run[1].index(stop) + 1]
     for out, ref in zip(stopped, free_run):
         assert out == ref[: ref.index(stop) + 1] if stop in ref else out == ref
+    assert engine.generate(prompts, SamplingParams(max_new_tokens=10), stop_ids=iter([stop])) == stopped  # read once
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(tmp_path):
@@ -117,3 +118,38 @@ def test_cpu_free_memory_is_a_containers_limit_not_the_hosts(tmp_path, monkeypat
         (folder.parent / f"memory.{name}").write_text(f"{value * 2**20}\n")  # the slice that holds the box
     (folder.parent / "memory.stat").write_text("")
     assert free_bytes(torch.device("cpu")) == 100 * 2**20  # a parent's limit binds its children too
+
+
+def test_generate_refuses_a_call_it_cannot_run_whole(tmp_path):
+    """As vLLM's LLM.generate: sampling params that do not pair with the prompts are refused (zip dropped
+    the prompts past them), and a bad prompt fails the call without leaving the good ones before it
+    queued, to run with the next call."""
+    save_tiny_llama(tmp_path, "gqa")
+    prompts = random_prompts([5, 9, 3], LLAMA_TINY["vocab_size"], seed=7)
+    engine = Engine(tmp_path, EngineConfig(max_total_tokens=200, log=False))
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    with pytest.raises(ValueError, match="3 prompts but 2 sampling params"):
+        engine.generate(prompts, [params, params])
+    with pytest.raises(ValueError, match="empty prompt"):
+        engine.generate(prompts + [[]], params)
+    assert not engine.has_work()
+    alone = Engine(tmp_path, EngineConfig(max_total_tokens=200, log=False))
+    assert engine.generate(prompts, params) == [alone.generate([p], params)[0] for p in prompts]
+    assert engine.stats["prefill_tokens"] == sum(map(len, prompts))  # those prompts alone were ever computed
+
+
+@pytest.mark.parametrize("setting, message", [
+    (dict(attention_backend="Triton"), "attention-backend must be one of ('torch', 'triton'), got 'Triton'"),
+    (dict(load_format="dummmy"), "load-format must be one of ('safetensors', 'dummy'), got 'dummmy'"),
+    (dict(dtype="float16"), "dtype must be one of (torch.float32, torch.float16, torch.bfloat16), got 'float16'"),
+    (dict(max_total_tokens=64.5), "max-total-tokens must be > 0 (an integer)"),
+    (dict(context_length=float("nan")), "context-length must be > 0 (an integer)"),
+])
+def test_a_setting_it_cannot_honour_is_refused_not_replaced(tmp_path, setting, message):
+    """A misspelt attention backend ran the torch one, a misspelt load format loaded the checkpoint:
+    silently not what was asked for (vLLM refuses both). A dtype by name, a pool of 64.5 tokens failed
+    inside torch, a NaN context as a model needing "nan GiB"."""
+    save_tiny_llama(tmp_path, "gqa")
+    with pytest.raises(ValueError) as refused:
+        Engine(tmp_path, EngineConfig(**{"max_total_tokens": 64, "log": False} | setting))
+    assert message in str(refused.value)

@@ -1,5 +1,6 @@
 """The sampler: greedy, temperature, top-k and top-p, per request in one batch."""
 
+import pytest
 import torch
 
 from nano.sampling import SamplingParams, sample
@@ -64,3 +65,12 @@ def test_top_k_then_top_p_keeps_the_tokens_hf_keeps():
         hf = TopPLogitsWarper(p)(None, TopKLogitsWarper(k)(None, logits[row : row + 1].clone()))
         assert torch.equal(kept[row], torch.isfinite(hf[0])), (row, k, p)
     assert kept[0].nonzero().flatten().tolist() == [0]
+
+
+@pytest.mark.parametrize("field", ["max_new_tokens", "top_k", "seed", "logprobs"])
+@pytest.mark.parametrize("value", [float("nan"), 2.5, float("inf"), True])
+def test_a_count_that_is_no_integer_is_refused_at_once(field, value):
+    """vLLM's max_tokens, top_k, seed and logprobs are ints. A NaN budget passed the range checks, and then
+    every step of the engine raised (its admission estimate rounds it); 2.5 logprobs failed inside a step."""
+    with pytest.raises(ValueError, match=f"{field.replace('_', '-')} must be an integer"):
+        SamplingParams(**{field: value}).validate()

@@ -410,3 +410,22 @@ def test_the_servers_engine_at_tp2_outlives_a_service_managers_sigterm(tmp_path)
         assert client.worker.exitcode == 0
     finally:
         client.worker.kill()
+
+
+def test_an_engine_used_after_close_says_so(tmp_path):
+    """close() stops the workers; a pass sent to them afterwards failed like a pass the ranks fell out of
+    step on, which ends the process (os._exit, status 1): a caller that used the engine once more lost
+    its whole program. It gets a one-line error instead, and a second close() is harmless."""
+    code = _rank_0_script(tmp_path, """
+engine = ne.Engine(path, ne.EngineConfig(tp_size=2, max_total_tokens=64, log=False))
+params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+engine.generate([[5, 6, 7]], params)
+engine.close()
+engine.close()
+try:
+    engine.generate([[5, 6, 7]], params)
+except RuntimeError as e:
+    print("refused:", e)
+""")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "refused: the engine is closed" in result.stdout, result.stderr
