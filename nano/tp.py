@@ -231,7 +231,8 @@ class TensorParallel:
                 if all(code == quiet for _, code in dead):
                     os._exit(quiet)
             died = ", ".join(f"rank {rank} (exit code {code})" for rank, code in dead)
-            print(f"error: tensor-parallel worker {died} stopped; its error is printed above", file=sys.stderr)
+            print(f"error: tensor-parallel worker {died} stopped (what it printed, if anything, is above)",
+                  file=sys.stderr)  # a worker the OOM killer ended printed nothing
             os._exit(1)
 
 
