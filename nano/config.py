@@ -40,8 +40,8 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     rope_theta: float
-    # Normalised rope scaling: None, or a dict with "rope_type" in {"linear", "llama3", "yarn"} and
-    # that type's parameters (factor, original_max_position_embeddings, ...).
+    # Normalised rope scaling: None, or a dict with "rope_type" in {"linear", "llama3", "yarn", "dynamic"}
+    # and that type's parameters (factor, original_max_position_embeddings, ...).
     rope_scaling: dict | None
     bos_token_id: int | None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -170,19 +170,24 @@ def _refuse_unsupported(raw: dict, arch: str, cfg: ModelConfig, source: str) -> 
 
 def _parse_rope(raw: dict) -> tuple[float, dict | None]:
     """Both dialects -> (rope_theta, normalised scaling dict or None)."""
-    params = raw.get("rope_parameters")  # transformers 5.x
-    if params is None:  # transformers 4.x: rope_theta is at the top level
-        params = raw.get("rope_scaling") or {}
-    params = dict(params)
-    theta = float(params.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+    # transformers' order: a `rope_scaling` (4.x's key, which model cards say to add by hand, also to a
+    # 5.x config) wins over `rope_parameters` (5.x, where rope_theta moved); theta as a last resort from it
+    v5_params = raw.get("rope_parameters") or {}
+    params = dict(raw.get("rope_scaling") or v5_params)
+    theta = float(params.pop("rope_theta", raw.get("rope_theta", v5_params.get("rope_theta", 10000.0))))
     legacy_type = params.pop("type", None)
     rope_type = params.pop("rope_type", None) or legacy_type or "default"
-    if rope_type in ("default", "dynamic"):  # dynamic NTK is the default rope up to max_position_embeddings,
-        return theta, None  # past which it changes the frequencies and nano never runs
-    if rope_type not in ("linear", "llama3", "yarn"):
-        raise ConfigError(f"unsupported rope scaling type {rope_type!r} (nano has linear, llama3, yarn)")
+    partial = float(params.pop("partial_rotary_factor", None) or raw.get("partial_rotary_factor") or 1.0)
+    if rope_type == "default":  # transformers' default rope rotates the whole head whatever partial says
+        return theta, None
+    if rope_type not in ("linear", "llama3", "yarn", "dynamic"):
+        raise ConfigError(f"unsupported rope scaling type {rope_type!r} (nano has linear, llama3, yarn, dynamic)")
+    if partial != 1.0:  # transformers' scaled ropes rotate part of the head (its models then crash); nano all
+        raise ConfigError(f"partial_rotary_factor {partial} with {rope_type!r} rope is not supported")
     params["rope_type"] = rope_type
     params["factor"] = float(params["factor"])
+    if rope_type == "dynamic":  # kept (not None): DeepSeek scales its softmax by the factor (deepseek.py)
+        return theta, params
     if rope_type == "llama3":  # read now: one missing is a config error, not a KeyError while the model is built
         params["low_freq_factor"], params["high_freq_factor"] = (float(params[key]) for key in
                                                                  ("low_freq_factor", "high_freq_factor"))

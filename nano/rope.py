@@ -27,7 +27,9 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 def rope_frequencies(rot_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
     """-> (inv_freq [rot_dim/2] float32, magnitude multiplier for cos/sin)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim)
-    if scaling is None:
+    # dynamic NTK is the default rope up to max_position_embeddings, past which it changes the
+    # frequencies and nano never runs
+    if scaling is None or scaling["rope_type"] == "dynamic":
         return inv_freq.float(), 1.0
     kind, factor = scaling["rope_type"], scaling["factor"]
     if kind == "linear":

@@ -90,6 +90,9 @@ DEEPSEEK_VARIANTS = {
     "lite": {},
     "q-lora-scaled": dict(q_lora_rank=24, routed_scaling_factor=2.5),
     "norm-topk": dict(norm_topk_prob=True, routed_scaling_factor=2.5),
+    # dynamic NTK keeps the default frequencies here, but DeepSeek still scales its softmax by mscale_all_dim
+    "dynamic-mscale": dict(rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=4.0,
+                                                mscale_all_dim=0.707)),
 }
 
 

@@ -67,6 +67,11 @@ def test_qwen_without_the_sliding_window_key_slides_over_4096(family):
     (dict(hidden_act="gelu"), "hidden_act 'gelu'"),  # it would load and run SiLU
     (dict(quantization_config={"quant_method": "fp8"}), "quantized"),  # fp8 weights, read without their scales
     (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}), "low_freq_factor"),
+    # transformers' scaled ropes rotate part of the head (and its models crash); nano would rotate all of it
+    (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0, "partial_rotary_factor": 0.5}),
+     "partial_rotary_factor 0.5 with 'linear'"),
+    (dict(partial_rotary_factor=0.5, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}),
+     "partial_rotary_factor 0.5 with 'yarn'"),
     (dict(num_attention_heads=0, head_dim=None), "division"),  # head_dim from hidden / heads
     (dict(num_key_value_heads=3), "not a multiple of num_key_value_heads"),  # attention would crash
 ])

@@ -91,3 +91,19 @@ def test_original_context_at_the_top_level(tmp_path, monkeypatch):
     outputs = Engine(tmp_path, EngineConfig(max_total_tokens=256, log=False)).generate(
         prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))
     assert_matches_hf(hf_model, prompts, outputs, steps)
+
+
+def test_rope_scaling_added_to_a_v5_config(tmp_path, monkeypatch):
+    """Model cards (Qwen2.5's) say to add a `rope_scaling` to config.json for long context; in a config
+    transformers 5.x wrote, next to its `rope_parameters`. transformers takes the `rope_scaling`."""
+    save_tiny_llama(tmp_path, "qwen2-bias")
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["rope_scaling"] = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    hf_model = transformers.Qwen2ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert hf_model.config.rope_parameters["rope_type"] == "yarn"
+    steps = record_logits(monkeypatch)
+    prompts = random_prompts([40, 3], LLAMA_TINY["vocab_size"])
+    outputs = Engine(tmp_path, EngineConfig(max_total_tokens=256, log=False)).generate(
+        prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert_matches_hf(hf_model, prompts, outputs, steps)
