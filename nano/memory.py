@@ -77,7 +77,7 @@ def ensure_fits(device: torch.device, dtype: torch.dtype, needed: dict[str, int]
     if free is None or total <= free:
         return
     parts = " + ".join(f"{nbytes / 2**30:.1f} GiB {name}" for name, nbytes in needed.items() if nbytes >= 2**30 / 20)
-    where = "the host has" if device.type == "cpu" else f"{device} has"
+    where = "the host (or its container's limit) has" if device.type == "cpu" else f"{device} has"
     ways = ["--dtype bfloat16"] if dtype.itemsize > 2 else []
     ways += ["a GPU" if device.type == "cpu" else "a larger GPU", "a smaller model"]
     raise NotEnoughMemoryError(f"the model needs {total / 2**30:.1f} GiB ({parts}) but {where} "
