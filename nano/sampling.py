@@ -2,8 +2,8 @@
 
 Every request carries its own settings, so one batch may mix greedy and sampled requests:
 - temperature 0 is greedy (argmax); otherwise logits are divided by the temperature,
-- top-k keeps the k most likely tokens, then top-p the smallest set of those whose probability,
-  renormalised over them, reaches p,
+- top-k keeps the k most likely tokens (and those tied with the k-th), then top-p the smallest set
+  of those whose probability, renormalised over them, reaches p,
 - a request with a seed draws from its own random generator, so its output does not depend on
   which other requests happen to share its batch.
 Log-probabilities, for a request that asks (`logprobs`: how many likeliest alternatives to list,
@@ -103,7 +103,9 @@ def _top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
     top_p = to_device([p.top_p for p in params], torch.float32, device)
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=device)
-    sorted_probs = sorted_probs * (rank[None, :] < top_k[:, None])
+    # top-k keeps every token as likely as the k-th, as HF's and vLLM's do: bf16 logits tie often
+    kth = sorted_probs.gather(-1, (top_k.clamp(max=vocab) - 1)[:, None])
+    sorted_probs = sorted_probs * (sorted_probs >= kth)
     # then top-p over the k left, renormalised (HF's and vLLM's order): keep a token while the mass
     # before it is below p; the likeliest always stays (a p below float32's range reads as 0)
     mass_before = (sorted_probs.cumsum(dim=-1) - sorted_probs) / sorted_probs.sum(dim=-1, keepdim=True)

@@ -74,3 +74,23 @@ def test_a_count_that_is_no_integer_is_refused_at_once(field, value):
     every step of the engine raised (its admission estimate rounds it); 2.5 logprobs failed inside a step."""
     with pytest.raises(ValueError, match=f"{field.replace('_', '-')} must be an integer"):
         SamplingParams(**{field: value}).validate()
+
+
+def test_top_k_keeps_the_tokens_tied_with_the_kth_as_hf_does():
+    """bf16 logits tie often; HF's TopKLogitsWarper and vLLM keep every token as likely as the k-th,
+    so with probabilities .5 .2 .2 ... top-k 2 samples from three tokens, not two."""
+    from transformers.generation.logits_process import TopKLogitsWarper
+
+    from nano.sampling import _top_k_top_p
+
+    torch.manual_seed(3)
+    logits = (torch.randn(64, 40) * 2).round()  # integers: many ties
+    ks = torch.randint(1, 41, (64,)).tolist()
+    params = [SamplingParams(temperature=1.0, top_k=k) for k in ks]
+    kept = _top_k_top_p(torch.softmax(logits, dim=-1), params) > 0
+    for row, k in enumerate(ks):
+        hf = TopKLogitsWarper(k)(None, logits[row : row + 1].clone())
+        assert torch.equal(kept[row], torch.isfinite(hf[0])), (row, k)
+    tied = torch.log(torch.tensor([[0.5, 0.2, 0.2, 0.1]]))
+    counts = torch.bincount(draw(tied, [SamplingParams(temperature=1.0, top_k=2)], 3000)[:, 0], minlength=4)
+    assert counts[3] == 0 and abs(counts[2] / 3000 - 2 / 9) < 0.03  # .2 of the .9 kept
