@@ -34,7 +34,8 @@ MAX_CHOICES = 128  # n at most, as OpenAI's API
 OFF_VALUES = {"frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,),
               "min_tokens": (0,), "best_of": (1,), "suffix": ("",), "logit_bias": ({},), "tools": ([],),
               "tool_choice": ("none", "auto"), "parallel_tool_calls": (True, False), "store": (False,),
-              "metadata": ({},), "response_format": ({"type": "text"},), "service_tier": ("auto", "default")}
+              "metadata": ({},), "response_format": ({"type": "text"},), "service_tier": ("auto", "default"),
+              "skip_special_tokens": (True,)}  # vLLM's field; nano's text always leaves them out
 
 StopString = Annotated[str, Field(min_length=1)]
 

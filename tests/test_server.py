@@ -208,7 +208,7 @@ def test_off_values_of_missing_features_are_accepted(server):
     """Some clients send these with every request; in their off values they ask for nothing."""
     off = {"frequency_penalty": 0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "best_of": 1, "top_k": -1,
            "min_p": 0, "logit_bias": {}, "tools": [], "tool_choice": "none", "response_format": {"type": "text"},
-           "store": False, "metadata": {}, "user": "someone", "suffix": None}
+           "store": False, "metadata": {}, "user": "someone", "suffix": None, "skip_special_tokens": True}
     got, reply = call(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "echo": False, "logprobs": None, **off})
     assert got == 200 and reply["usage"]["completion_tokens"] == 2, reply
     messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "name": "ann", "content": "hi"},
