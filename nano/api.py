@@ -101,6 +101,16 @@ class ChatMessage(StrictModel):
     name: str | None = None
     tool_call_id: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nothing_asked_is_absent(cls, data):
+        # null is the default here too, and an assistant turn's empty tool_calls and annotations ask for
+        # nothing: the openai SDK's message.model_dump() sends "refusal": null, "tool_calls": null, ...
+        if not isinstance(data, dict):
+            return data
+        return {key: value for key, value in data.items()
+                if value is not None and not (key in ("tool_calls", "annotations") and value == [])}
+
     def as_dict(self, template_has_developer: bool) -> dict:
         """The message as the chat template reads it; `developer` is `system` to a template without it."""
         parts = [self.content] if isinstance(self.content, str) else self.content or []

@@ -59,6 +59,9 @@ class Tokenizer:
         # None: the config does not say, and tokenizer.json's post-processor decides alone.
         self.add_bos_token = config.get("add_bos_token")
         self.eos_token_ids = self._eos_token_ids(model_dir)
+        # what a chat template reads by name; BOS and EOS as "" when there are none
+        self._template_tokens = _template_tokens(config) | {"bos_token": self.bos_token or "",
+                                                            "eos_token": self.eos_token or ""}
         self._chat_template = self._compile_chat_template(model_dir, config)
 
     def _eos_token_ids(self, model_dir: Path) -> list[int]:
@@ -113,8 +116,7 @@ class Tokenizer:
         """The conversation (role/content dicts), followed by the header that asks the assistant to answer."""
         # HF passes tools and documents as None when unused, and templates test `tools is not none`.
         try:
-            return self._chat_template.render(messages=messages, bos_token=self.bos_token or "",
-                                              eos_token=self.eos_token or "", add_generation_prompt=True,
+            return self._chat_template.render(messages=messages, **self._template_tokens, add_generation_prompt=True,
                                               tools=None, documents=None)
         except jinja2.TemplateError as e:  # raise_exception, or a message the template cannot read
             raise TokenizerError(f"the chat template refused these messages: {e}") from None
@@ -229,6 +231,17 @@ def _read_json(path: Path) -> dict:
 def _token_text(token) -> str | None:
     # tokenizer_config.json writes a special token as its text or as an AddedToken dict.
     return token.get("content") if isinstance(token, dict) else token
+
+
+_STANDARD_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _template_tokens(config: dict) -> dict[str, str]:
+    # HF gives a template every special token by name, not only BOS and EOS: pad_token, unk_token, and a
+    # model's own (an eot_token, Gemma's image_token); a template that writes one must not get "" for it
+    named = {key: value for key, value in config.items() if key.endswith("_token") and (isinstance(value, str) or (
+        isinstance(value, dict) and (key in _STANDARD_TOKENS or value.get("__type") == "AddedToken")))}
+    return {key: text for key, value in named.items() if isinstance(text := _token_text(value), str)}
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:

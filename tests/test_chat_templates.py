@@ -126,3 +126,23 @@ def test_a_tool_result_reaches_the_template_with_its_call_id(smollm2_dir, tmp_pa
     expected = AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(messages, tokenize=False)
     assert tokenizer.apply_chat_template(sent) == expected
     assert f'"call_id": "{call_id}"' in expected
+
+
+def test_a_template_gets_every_special_token_by_name_as_hf(smollm2_dir, tmp_path):
+    """HF gives a template all the special tokens the config names, not only BOS and EOS: the pad and
+    unk tokens, and a model's own (`eot_token`), as text or as an AddedToken dict."""
+    shutil.copy(smollm2_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    config = json.loads((smollm2_dir / "tokenizer_config.json").read_text())
+    rng = random.Random(0)
+    names = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>", "<file_sep>"]
+    pad, unk, eot = rng.sample(names, 3)
+    template = ("{{ bos_token }}{% for m in messages %}{{ m['role'] + ': ' + m['content'] + eot_token }}{% endfor %}"
+                "{{ pad_token }}|{{ unk_token }}|{{ sep_token }}|{{ add_bos_token }}")
+    config |= {"chat_template": template, "pad_token": {"__type": "AddedToken", "content": pad, "special": True},
+               "unk_token": unk, "eot_token": eot}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    messages = CONVERSATIONS["several turns"]
+    expected = AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(messages, tokenize=False,
+                                                                           add_generation_prompt=True)
+    assert Tokenizer(tmp_path).apply_chat_template(messages) == expected
+    assert expected.endswith(f"{eot}{pad}|{unk}||")

@@ -625,6 +625,26 @@ def test_null_takes_the_default(server):
     assert status == 200 and reply["usage"]["completion_tokens"] <= 2, reply
 
 
+def test_a_reply_kept_as_the_openai_sdk_dumps_it_is_taken_back(server):
+    """A client that keeps the conversation as the openai SDK's message.model_dump() sends the reply's
+    unused fields as null ("refusal", "tool_calls", ...; OpenAI's own replies: "annotations": []);
+    the next turn takes them as absent, as vLLM does, and the prompt is the plain messages'."""
+    client = openai.OpenAI(base_url=server + "/v1", api_key=API_KEY)
+    question = " ".join(random.Random(3).choices(["river", "France", "name", "capital", "a", "the"], k=6))
+    first = [{"role": "user", "content": question}]
+    reply = client.chat.completions.create(model="tiny", messages=first, max_tokens=3, temperature=0)
+    dumped = reply.choices[0].message.model_dump()
+    assert dumped["tool_calls"] is None and dumped["refusal"] is None
+    plain = [*first, {"role": "assistant", "content": dumped["content"]}, {"role": "user", "content": "And?"}]
+    for sent in (dumped, {**dumped, "annotations": [], "tool_calls": []}):
+        messages = [*first, sent, {"role": "user", "content": "And?"}]
+        status, tokens = call(server, "/tokenize", {"messages": messages})
+        assert status == 200 and tokens["tokens"] == call(server, "/tokenize", {"messages": plain})[1]["tokens"], tokens
+        assert client.chat.completions.create(model="tiny", messages=messages, max_tokens=2).usage.completion_tokens
+    status, reply = call(server, "/v1/chat/completions", {"messages": [*first, {**dumped, "tool_calls": [{}]}]})
+    assert status == 400 and reply["error"]["param"] == "messages", reply  # a tool call is still a feature nano lacks
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
 def test_a_long_prompt_is_tokenized_off_the_event_loop(server, path):
     """Tokenizing a prompt near the body's 4 MB limit takes seconds; on the event loop, every other
