@@ -46,6 +46,8 @@ class StrictModel(BaseModel):
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
+    # vLLM's usage in every chunk, which nano lacks: some clients send it off with every stream (as OFF_VALUES)
+    continuous_usage_stats: Literal[False] | None = None
 
 
 class GenerationRequest(StrictModel):

@@ -21,8 +21,8 @@ model's name on `app.state`.
 
 A request with several choices (several prompts, or `n`) submits them all at once, so they prefill
 together (`n` samples of 32+ tokens: one computes the prompt, the rest find it cached a step later);
-a stream carries each choice's tokens as they come, one choice per event, named by its index.
-Logprobs come from the engine with each token (sampling.py); this side only spells out each token's text.
+a stream carries each choice's tokens as they come, one choice per event, named by its index (a chat
+choice opens with its role alone, as OpenAI's). Logprobs come from the engine with each token (sampling.py).
 
 Extensions to OpenAI's API, as SGLang and vLLM have them: `top_k`, `ignore_eos`, and the generated
 `token_ids` in every choice, so a server without a tokenizer (a shipped shape with dummy weights)
@@ -206,11 +206,9 @@ async def generate(http: HTTPRequest, body, prompts: list[list[int]], chat: bool
                                  background=BackgroundTask(abort))
     try:
         collected = await until_disconnected(http, asyncio.gather(*(_collect(c) for c in choices)))
-    except APIError:  # a failed step: the other choices are of no use
+    finally:  # a failed step (the other choices are of no use) or a client gone; a no-op for those done
         abort()
-        raise
     if collected is None:
-        abort()
         return Response(status_code=499)
     return {**answer.head, "usage": answer.usage(sum(map(len, collected))),
             "choices": [answer.choice(i, *map(list, zip(*pieces))) for i, pieces in enumerate(collected)]}
@@ -288,8 +286,8 @@ class Answer:
             text = self.echoed[index // self.body.n] + text
         if not self.chat:
             content = {"text": text}
-        elif self.body.stream:
-            content = {"delta": {"role": "assistant", "content": text} if first else {"content": text}}
+        elif self.body.stream:  # the role in an event of no token: openai's stream helper reads its logprobs twice
+            content = {"delta": {"content": text} if tokens else {"role": "assistant", "content": text}}
         else:
             content = {"message": {"role": "assistant", "content": text}}
         logprobs = None
@@ -332,6 +330,8 @@ class Answer:
     async def events(self, choices: list):
         counts = [0] * len(choices)
         try:
+            for i in range(len(choices) if self.chat else 0):  # a chat choice opens with its role, as OpenAI's
+                yield _sse({**self.head, "choices": [self.choice(i, [], [], [None])]})
             async for i, (text, token, reason) in _merged(choices):
                 counts[i] += 1
                 yield _sse({**self.head, "choices": [self.choice(i, [text], [token], [reason], counts[i] == 1)]})

@@ -124,6 +124,25 @@ def test_openai_stream_helper_takes_n_choices(server):
     assert list(dict.fromkeys(chunks)) == list(range(6)), chunks
 
 
+def test_openai_stream_helper_lists_each_tokens_logprobs_once(server):
+    """A chat stream opens each choice with a chunk of its role and no token, as OpenAI's and vLLM's do:
+    openai's stream helper builds choice i > 0 from its first chunk and then adds that chunk's
+    logprobs again, so a token sent with the role would be listed twice."""
+    client = openai.OpenAI(base_url=server + "/v1", api_key="none")
+    ask = dict(model=NAME, messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=4, n=3,
+               seed=random.randrange(2**31), logprobs=True, top_logprobs=2)
+    with client.chat.completions.stream(**ask) as stream:
+        for _ in stream:  # (get_final_completion refuses a finish_reason of "length")
+            pass
+        streamed = stream.current_completion_snapshot
+    reply = client.chat.completions.create(**ask)
+    for got, want in zip(streamed.choices, reply.choices, strict=True):
+        assert [e.token for e in got.logprobs.content] == [e.token for e in want.logprobs.content]
+        assert len(want.logprobs.content) == len(want.token_ids)
+        assert [e.logprob for e in got.logprobs.content] == pytest.approx([e.logprob for e in want.logprobs.content],
+                                                                          abs=1e-3)
+
+
 def test_openai_list_prompts_and_models_retrieve(server):
     client = openai.OpenAI(base_url=server + "/v1", api_key="none")
     assert client.models.retrieve(NAME).id == NAME
@@ -260,4 +279,7 @@ def test_serving_benchmark_request_shapes(server, path, body):
         events = [line[6:].strip() for line in resp if line.startswith(b"data: ")]
     assert events[-1] == b"[DONE]"
     *chunks, usage = [json.loads(e) for e in events[:-1]]
+    if "chat" in path:  # the role alone first, as OpenAI's and vLLM's: the benchmarks skip a chunk of no content
+        role, *chunks = chunks
+        assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert len(chunks) == 4 and usage["usage"]["completion_tokens"] == 4

@@ -181,6 +181,8 @@ BAD_INPUTS = [  # (path, body or raw bytes, status, param)
     ("/v1/completions", {"prompt": "hi", "logprobs": True}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "top_p": float("nan")}, 400, "top_p"),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("/v1/completions", {"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400,
+     "stream_options"),
     ("/v1/completions", {"prompt": "caf\udce9"}, 400, None),  # a lone surrogate: no text
     ("/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400, None),  # deeper than json can parse
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
@@ -216,6 +218,10 @@ def test_off_values_of_missing_features_are_accepted(server):
     got, reply = call(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 2, "logprobs": False,
                                                        "top_logprobs": 0, **off})
     assert got == 200, reply
+    for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": messages})):
+        for options in ({"include_usage": True, "continuous_usage_stats": False}, {"continuous_usage_stats": None}):
+            events = asyncio.run(read_stream_once(server, path, {**body, "max_tokens": 2, "stream_options": options}))
+            assert events[-1] == "[DONE]" and ("usage" in events[-2]) == options.get("include_usage", False)
 
 
 def test_echo_gives_the_prompt_back_as_sent(server):
