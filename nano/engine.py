@@ -369,9 +369,7 @@ class Engine:
             done.copied.synchronize()
         for req in done.reqs:
             req.in_flight -= 1
-        events = self._append_tokens(done.reqs, done.host_tokens.tolist(), done.asked, done.logprobs)
-        self.stats["decode_tokens"] += len(events)
-        return events
+        return self._append_tokens(done.reqs, done.host_tokens.tolist(), done.asked, done.logprobs)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """One forward pass -> logits [B, vocab]: a graph replay when one fits the batch, else the
@@ -402,6 +400,7 @@ class Engine:
                 continue
             req.output_ids.append(token)
             events.append((req, token))
+            self.stats["decode_tokens"] += len(req.output_ids) > 1  # also one a prefill after a retraction samples
             if row in entries:
                 self.logprobs.setdefault(req.rid, Logprobs()).tokens.append(entries[row])
             if token in req.stop_ids or len(req.output_ids) >= req.params.max_new_tokens:

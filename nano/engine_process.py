@@ -97,9 +97,10 @@ def engine_state(engine) -> dict:
     request locks them); requests; the engine's counters (seconds and tokens of prefill and decode,
     retractions and the tokens they recomputed)."""
     cache, scheduler = engine.prefix_cache, engine.scheduler
+    admitted = len(scheduler.running) + (scheduler.chunked is not None)  # a prompt part-way runs too (vLLM counts it)
     return {"total_slots": engine.kv_pool.capacity, "free_slots": engine.slots.available,
             "cached_slots": cache.size if cache else 0, "locked_slots": cache.locked_size if cache else 0,
-            "running": len(scheduler.running), "waiting": len(scheduler.waiting), "engine": dict(engine.stats)}
+            "running": admitted, "waiting": len(scheduler.waiting), "engine": dict(engine.stats)}
 
 
 def run_engine(engine, inbox, outbox):

@@ -56,6 +56,8 @@ def test_an_oversubscribed_pool_retracts_and_every_request_gets_its_tokens(tmp_p
     assert engine.generate(prompts, [params(i) for i in range(8)]) == expected
     assert engine.stats["retractions"] > 0 and engine.stats["recomputed_tokens"] > 0
     assert engine.slots.available + engine.prefix_cache.size == 320 and engine.prefix_cache.locked_size == 0
+    # print_stats: 8 first tokens, then every other token (those a re-admission's prefill samples too)
+    assert 8 + engine.stats["decode_tokens"] == 8 * 80
 
 
 def test_samples_of_one_prompt_compute_it_once(tmp_path):
@@ -177,3 +179,22 @@ def test_a_sampler_that_raises_after_a_prefill_gives_back_every_slot(tmp_path, m
     whole_context = SamplingParams(max_new_tokens=61, ignore_eos=True)
     plain = Engine(tmp_path, EngineConfig(max_total_tokens=64, radix_cache=False, log=False))
     assert engine.generate([[11, 12, 13]], whole_context) == plain.generate([[11, 12, 13]], whole_context)
+
+
+def test_a_prompt_part_way_through_chunked_prefill_counts_as_running_in_health(tmp_path):
+    """/health's running and waiting are what a load balancer reads (and the server tests' idle check):
+    a request whose long prompt is part-way through chunked prefill holds a row and slots, and must show
+    as running (vLLM's num_requests_running counts it), not leave both counts at 0 while the engine works."""
+    from nano.engine_process import engine_state
+
+    save_tiny_llama(tmp_path, "gqa")
+    engine = Engine(tmp_path, EngineConfig(max_total_tokens=128, chunked_prefill_size=8, log=False))
+    prompt = random_prompts([40], LLAMA_TINY["vocab_size"], seed=2)[0]
+    req = engine.add_request(prompt, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    seen = []
+    while engine.has_work():
+        engine.step()
+        state = engine_state(engine)
+        seen.append((req.status, state["running"], state["waiting"]))
+    assert (Status.PREFILLING, 1, 0) in seen and (Status.RUNNING, 1, 0) in seen
+    assert seen[-1] == (Status.FINISHED, 0, 0)
