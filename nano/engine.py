@@ -176,7 +176,9 @@ class Engine:
         that, room for one request of the full context; on CPU, at most the pool's cap, to which the
         context then shrinks) fit, then build and fill the model."""
         config, cfg = self.config, self.cfg
-        self.context_length = min(config.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.context_length = config.context_length or cfg.max_position_embeddings
+        if self.context_length > cfg.max_position_embeddings:  # positions it never learnt (vLLM refuses them too)
+            raise ConfigError(f"context length {self.context_length}: this model's is {cfg.max_position_embeddings}")
         self.kv_bytes_per_token = kv_bytes_per_token(shard_cfg, self.dtype, self.use_mla)
         kv_bytes = (config.max_total_tokens or self.context_length) * self.kv_bytes_per_token
         if self.device.type == "cpu" and not config.max_total_tokens:
@@ -286,8 +288,7 @@ class Engine:
         retraction has them already) -> (the rows, where each request's rows end in the logits)."""
         rows, ends, start = [], [], 0
         for req, n in chunks:
-            wants_all = req.wants_prompt_logprobs
-            rows += range(start, start + n) if wants_all else [start + n - 1]
+            rows += range(start, start + n) if req.wants_prompt_logprobs else [start + n - 1]
             ends.append(len(rows))
             start += n
         return rows, ends
