@@ -86,7 +86,8 @@ def shipped_shape(name: str | None) -> Path | None:
 
 
 def resolve_model(name: str | None) -> Path:
-    """--model value -> a folder holding config.json."""
+    """--model value -> a folder holding config.json, as an absolute path: serve names the model
+    after the folder, which `.` or `..` would not (os.path, not resolve(): a symlink keeps its name)."""
     if name is None:
         from nano.default_model import ensure_default_model
 
@@ -98,7 +99,7 @@ def resolve_model(name: str | None) -> Path:
     if not path.is_dir():
         raise UsageError(f"{name} is a file, not a model folder" if path.exists()
                          else f"model folder {name} does not exist")
-    return path
+    return Path(os.path.abspath(path))
 
 
 def resolve_model_or_shape(args) -> Path:

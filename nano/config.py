@@ -93,6 +93,8 @@ def read_json(path: Path, error: type[Exception] = ConfigError) -> dict:
 def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
     named = raw.get("architectures") or raw.get("model_type")
     archs = raw.get("architectures") or [MODEL_TYPES.get(raw.get("model_type"))]
+    if not isinstance(archs, list):  # one name, not in a list (transformers goes by model_type), or junk
+        archs = [archs]
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
         raise ConfigError(f"{source}: unsupported architecture {named!r}; "
@@ -129,7 +131,7 @@ def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
         )
         _refuse_unsupported(raw, arch, cfg, source)
         if arch == "DeepseekV2ForCausalLM":
-            _parse_deepseek(raw, cfg, need)
+            _parse_deepseek(raw, cfg, need, source)
     except ConfigError:
         raise
     except (TypeError, ValueError, KeyError, ZeroDivisionError) as e:
@@ -198,16 +200,24 @@ def _parse_rope(raw: dict) -> tuple[float, dict | None]:
     return theta, params
 
 
-def _parse_deepseek(raw: dict, cfg: ModelConfig, need) -> None:
+def _parse_deepseek(raw: dict, cfg: ModelConfig, need, source: str) -> None:
     cfg.q_lora_rank = raw.get("q_lora_rank")
     for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):  # MLA's shapes
         setattr(cfg, name, int(need(name)))
-    for name in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts"):
+    for name in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"):
         setattr(cfg, name, int(raw.get(name) or 0))  # absent or null: no MoE
+    # absent: transformers' default, 2, whose model runs the checkpoint's shared experts (0 would skip
+    # them unseen); null: none, as in DeepSeek's own code
+    cfg.n_shared_experts = int(raw.get("n_shared_experts", 2) or 0)
     cfg.first_k_dense_replace = int(raw.get("first_k_dense_replace", 0))
     cfg.moe_layer_freq = int(raw.get("moe_layer_freq", 1))
     cfg.norm_topk_prob = bool(raw.get("norm_topk_prob", False))
     cfg.routed_scaling_factor = float(raw.get("routed_scaling_factor", 1.0))
+    # else a MoE layer's top-k picks no expert (only the shared ones run: silently another model) or more than exist
+    moe = any(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    if moe and not 1 <= cfg.num_experts_per_tok <= cfg.n_routed_experts:
+        raise ConfigError(f"{source}: num_experts_per_tok ({raw.get('num_experts_per_tok')}) must be "
+                          f"from 1 to n_routed_experts ({cfg.n_routed_experts})")
     scoring = raw.get("scoring_func", "softmax")
     topk_method = raw.get("topk_method", "greedy")
     if scoring != "softmax" or topk_method != "greedy":

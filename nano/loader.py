@@ -32,6 +32,8 @@ from nano.deepseek import build_deepseek_v2
 from nano.model import CausalLM, build_llama
 from nano.tp import checkpoint_shard, shard_config
 
+EMBEDDING = "model.embed_tokens.weight"
+
 
 class WeightError(ValueError):
     """Missing, mis-shaped or unreadable weights; the message is shown to the user as is."""
@@ -114,7 +116,9 @@ def _fill_random(model: CausalLM, shard_of, seed: int):
 
 
 def _checkpoint_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
+    single, index = model_dir / "model.safetensors", model_dir / "model.safetensors.index.json"
+    if single.is_file():  # transformers' order: one file wins over an index, which save_pretrained leaves
+        return [single]  # behind, stale, when it saves as one file the model a folder held in shards
     if index.is_file():
         weight_map = read_json(index, WeightError).get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
@@ -130,6 +134,17 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def _layout_name(name: str, layout: dict, loaded: set) -> str | None:
+    """The layout entry checkpoint tensor `name` fills, or None to skip it. A tied model's lm_head.weight
+    fills the embedding while the checkpoint has given none: safetensors' save_model keeps that name of
+    the two shared tensors, and transformers ties them either way. An embedding read later wins."""
+    if name in layout:
+        return name
+    if name == "lm_head.weight" and EMBEDDING not in loaded:  # (not in the layout: the model is tied)
+        return EMBEDDING
+    return None
+
+
 def _load_safetensors(model: CausalLM, model_dir: Path, shard_of):
     layout = model.checkpoint_layout()
     loaded = set()
@@ -138,14 +153,15 @@ def _load_safetensors(model: CausalLM, model_dir: Path, shard_of):
         for path in _checkpoint_files(model_dir):
             try:
                 with safe_open(path, framework="pt", device="cpu") as f:
-                    for name in f.keys():
-                        if name not in layout:
-                            continue  # e.g. rotary_emb.inv_freq, or lm_head of a tied model
+                    for stored_name in f.keys():
+                        name = _layout_name(stored_name, layout, loaded)
+                        if name is None:
+                            continue  # e.g. rotary_emb.inv_freq, or lm_head of a tied model with its embedding
                         param, index = layout[name]
                         target, shard = param.data[index], shard_of(name)
-                        stored, expected = f.get_slice(name), _full_shape(target, shard)
+                        stored, expected = f.get_slice(stored_name), _full_shape(target, shard)
                         if stored.get_shape() != expected:
-                            raise WeightError(f"{path.name}: tensor {name} has shape {stored.get_shape()}, "
+                            raise WeightError(f"{path.name}: tensor {stored_name} has shape {stored.get_shape()}, "
                                               f"expected {expected}")
                         tensor = stored[_block(shard, expected)]  # reads only this rank's block
                         target.copy_(model.prepare_checkpoint_tensor(name, tensor).to(device))

@@ -57,6 +57,18 @@ def test_model_that_is_a_file(tmp_path):
     assert_one_line_error(run_cli("--model", str(tmp_path / "model.safetensors"), "--prompt", "hi"), "not a model folder")
 
 
+def test_a_model_folder_given_as_dot_keeps_its_name(tmp_path, monkeypatch):
+    """serve names the model after its folder (/v1/models, the `model` a request must send): `--model .`
+    named it '' and `--model ..` named it '..'."""
+    from nano.cli import resolve_model
+
+    (tmp_path / "my-model" / "sub").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "my-model")
+    assert resolve_model(".").name == "my-model"
+    monkeypatch.chdir(tmp_path / "my-model" / "sub")
+    assert resolve_model("..").name == "my-model"
+
+
 def test_empty_model_folder(tmp_path):
     assert_one_line_error(run_cli("--model", str(tmp_path), "--prompt", "hi"), "no config.json")
 
@@ -88,6 +100,8 @@ def test_missing_tensor(tiny_model):
     (b'{"weight_map": {"lm_head.weight": 3}}', "malformed index"),
 ])
 def test_malformed_weight_index(tiny_model, index, fragment):
+    # sharded: beside a model.safetensors, an index is not read (transformers' order)
+    (tiny_model / "model.safetensors").rename(tiny_model / "model-00001-of-00001.safetensors")
     (tiny_model / "model.safetensors.index.json").write_bytes(index)
     assert_one_line_error(run_cli("--model", str(tiny_model), "--prompt", "hi"), "model.safetensors.index.json",
                           fragment)

@@ -9,7 +9,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 from nano.config import ConfigError, load_config, parse_config  # noqa: E402
-from tests.helpers import LLAMA_TINY  # noqa: E402
+from tests.helpers import DEEPSEEK_TINY, LLAMA_TINY  # noqa: E402
 
 SHIPPED_CONFIGS = Path(__file__).resolve().parent.parent / "nano" / "configs"
 
@@ -134,9 +134,44 @@ def test_config_without_architectures_goes_by_model_type(family):
     picks the class from model_type, and nano must pick the same one."""
     raw = getattr(transformers, f"{family}Config")(**LLAMA_TINY, num_attention_heads=4, num_key_value_heads=2,
                                                     kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8,
-                                                    v_head_dim=8).to_dict()
+                                                    v_head_dim=8, num_experts_per_tok=2).to_dict()
     assert raw["architectures"] is None
     expected = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[raw["model_type"]]
     assert parse_config(raw).architecture == expected
     with pytest.raises(ConfigError, match="unsupported architecture 'gpt2'"):
         parse_config(raw | {"model_type": "gpt2"})
+
+
+@pytest.mark.parametrize("top_k", [None, 0, 9])
+def test_deepseek_top_k_outside_its_experts_is_one_line(top_k):
+    """DeepseekV2Config's default num_experts_per_tok is null: nano's top-0 would run the shared
+    experts alone (another model), and 9 of 8 crashes the first request on CPU (on CUDA the router
+    kernel picks an expert twice). A config whose layers are all dense needs no top-k."""
+    raw = transformers.DeepseekV2Config(**DEEPSEEK_TINY).to_dict() | {"architectures": ["DeepseekV2ForCausalLM"]}
+    assert raw["n_routed_experts"] == 8
+    with pytest.raises(ConfigError, match=rf"num_experts_per_tok \({top_k}\) must be from 1 to n_routed_experts \(8\)"):
+        parse_config(raw | {"num_experts_per_tok": top_k})
+    dense = raw | {"num_experts_per_tok": top_k, "first_k_dense_replace": raw["num_hidden_layers"]}
+    assert not any(parse_config(dense).is_moe_layer(i) for i in range(raw["num_hidden_layers"]))
+
+
+def test_deepseek_shared_experts_absent_take_transformers_default():
+    """Absent, transformers runs 2 shared experts (and the checkpoint's weights for them); nano ran
+    none and skipped those weights, a different model. Null means none (DeepSeek's code)."""
+    raw = transformers.DeepseekV2Config(**(DEEPSEEK_TINY | {"n_shared_experts": 1})).to_dict()
+    raw = {k: v for k, v in raw.items() if k != "n_shared_experts"} | {"architectures": ["DeepseekV2ForCausalLM"]}
+    assert parse_config(raw).n_shared_experts == transformers.DeepseekV2Config.from_dict(raw).n_shared_experts
+    assert parse_config(raw | {"n_shared_experts": None}).n_shared_experts == 0
+
+
+@pytest.mark.parametrize("architectures, fragment", [("LlamaForCausalLM", None), (5, "unsupported architecture 5")])
+def test_architectures_not_in_a_list(architectures, fragment):
+    """A hand-written `"architectures": "LlamaForCausalLM"`: transformers loads it (by model_type); nano
+    said 'unsupported architecture 'LlamaForCausalLM'; nano supports LlamaForCausalLM, ...'. Junk is one
+    line, not a TypeError."""
+    raw = transformers.LlamaConfig(**LLAMA_TINY, num_attention_heads=4).to_dict() | {"architectures": architectures}
+    if fragment is None:
+        assert parse_config(raw).architecture == "LlamaForCausalLM"
+        return
+    with pytest.raises(ConfigError, match=fragment):
+        parse_config(raw)

@@ -76,6 +76,20 @@ def test_sharded_checkpoint(tmp_path, monkeypatch):
     assert_matches_hf(hf_model, prompts, outputs, steps)
 
 
+def test_sharded_checkpoint_saved_again_as_one_file(tmp_path, monkeypatch):
+    """save_pretrained into a folder that held shards deletes them but leaves their index behind;
+    transformers loads model.safetensors over an index, and so must nano (it said a shard was missing)."""
+    save_tiny_llama(tmp_path, "gqa", seed=1).save_pretrained(tmp_path, max_shard_size="100KB")
+    hf_model = save_tiny_llama(tmp_path, "gqa", seed=2)
+    assert (tmp_path / "model.safetensors.index.json").exists() and not list(tmp_path.glob("model-*.safetensors"))
+    steps = record_logits(monkeypatch)
+    prompts = random_prompts([9, 4], LLAMA_TINY["vocab_size"])
+    outputs = Engine(tmp_path, EngineConfig(max_total_tokens=128, log=False)).generate(
+        prompts, SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert_matches_hf(transformers.AutoModelForCausalLM.from_pretrained(tmp_path), prompts, outputs, steps)
+    assert_matches_hf(hf_model, prompts, outputs, steps)
+
+
 def test_original_context_at_the_top_level(tmp_path, monkeypatch):
     """transformers takes a top-level original_max_position_embeddings (Phi-3's place for it) over
     the one in the rope parameters, for yarn and llama3."""

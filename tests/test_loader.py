@@ -1,9 +1,11 @@
 """Modules built the way a user might (loaded in float32, then cast with `.to(dtype)`) must run
 and agree with the same modules the loader built in that dtype. The loader keeps some weights in
-float32 on purpose (DeepSeek's router); a cast must not turn that into a crash or a wrong dtype."""
+float32 on purpose (DeepSeek's router); a cast must not turn that into a crash or a wrong dtype.
+Folders written by other tools than save_pretrained must load as transformers loads them."""
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_model
 
 pytest.importorskip("transformers")
 
@@ -39,3 +41,17 @@ def test_cast_module_matches_loader_built(tmp_path, save):
     got = prefill_logits(cast, cfg, prompt, torch.bfloat16)
     # the two differ only by where weights were rounded to bfloat16 (a router rounded by the cast)
     assert ((got - expected).norm() / expected.norm()).item() < 0.05
+
+
+def test_tied_checkpoint_with_lm_head_only(tmp_path):
+    """safetensors' save_model keeps `lm_head.weight` of a tied model's two shared tensors and drops
+    the embedding; transformers loads that folder, tying them back, and so must nano."""
+    hf_model = save_tiny_llama(tmp_path, "gqa4-tied")
+    save_model(hf_model, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    assert "model.embed_tokens.weight" not in load_file(tmp_path / "model.safetensors")
+    cfg = load_config(tmp_path)
+    prompt = random_prompts([30], cfg.vocab_size)[0]
+    got = prefill_logits(load_model(cfg, tmp_path, "cpu", torch.float32), cfg, prompt, torch.float32)
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
