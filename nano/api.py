@@ -18,6 +18,7 @@ OpenAI's legacy API and vLLM do.
 
 import json
 import re
+import secrets
 from typing import Annotated, Literal
 
 from fastapi import Request as HTTPRequest
@@ -148,6 +149,12 @@ class TokenizeRequest(StrictModel):  # vLLM's /tokenize: a completion's prompt o
 class DetokenizeRequest(StrictModel):
     model: str | None = None
     tokens: list[int]
+
+
+async def check_api_key(http: HTTPRequest):
+    api_key, sent = http.app.state.api_key, http.headers.get("authorization", "")
+    if api_key is not None and not secrets.compare_digest(sent.encode(), f"Bearer {api_key}".encode()):
+        raise APIError(401, "missing or wrong API key (send Authorization: Bearer KEY)", code="invalid_api_key")
 
 
 async def read_json(http: HTTPRequest) -> dict:

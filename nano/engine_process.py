@@ -110,7 +110,7 @@ def run_engine(engine, inbox, outbox):
     requests = {}  # stream id -> the engine's request, while the engine holds it
     log = StatsLog(engine)
     while True:
-        messages = [] if engine.has_work() else [inbox.get()]
+        messages = [] if engine.has_work() else [log.wait(inbox)]
         while True:  # and whatever else has arrived since the last step
             try:
                 messages.append(inbox.get_nowait())
@@ -136,22 +136,32 @@ def run_engine(engine, inbox, outbox):
 
 class StatsLog:
     """A line on stderr every `every` seconds while the engine works, as SGLang logs one: requests
-    running and waiting, decode tokens per second since the last line, the KV cache in use."""
+    running and waiting, decode tokens per second of the time since the last line that the engine
+    was not idle, the KV cache in use."""
 
     def __init__(self, engine, every: float = 10.0):
         self.engine, self.every = engine, every
-        self.last, self.decoded = time.monotonic(), 0
+        self.last, self.decoded, self.idle = time.monotonic(), 0, 0.0
+
+    def wait(self, inbox):
+        """The next message, for an idle engine: the wait is left out of the rate (counted in, a burst
+        after an hour idle read 0.0 tok/s, and a server's first line divided by the time since start)."""
+        started = time.monotonic()
+        message = inbox.get()
+        self.idle += time.monotonic() - started
+        return message
 
     def maybe_print(self):
         now, stats = time.monotonic(), self.engine.stats
-        if now - self.last < self.every or stats["decode_tokens"] == self.decoded:
+        busy = now - self.last - self.idle
+        if busy < self.every or stats["decode_tokens"] == self.decoded:
             return
         state = engine_state(self.engine)
         used = 1 - (state["free_slots"] + state["cached_slots"] - state["locked_slots"]) / state["total_slots"]
         print(f"engine: {state['running']} running, {state['waiting']} waiting, decode "
-              f"{(stats['decode_tokens'] - self.decoded) / (now - self.last):,.1f} tok/s, KV cache {used:.0%} in use, "
+              f"{(stats['decode_tokens'] - self.decoded) / busy:,.1f} tok/s, KV cache {used:.0%} in use, "
               f"{stats['retractions']} retractions so far", file=sys.stderr, flush=True)
-        self.last, self.decoded = now, stats["decode_tokens"]
+        self.last, self.decoded, self.idle = now, stats["decode_tokens"], 0.0
 
 
 def _step(engine, requests: dict) -> list:
@@ -220,6 +230,20 @@ class Stream:
     stop_ids: set[int]
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     sid: int = -1  # its id in the engine loop's messages
+
+
+async def first_events(streams: list[Stream]) -> list:
+    """Each stream's first event, or [the APIError] as soon as one stream gets one: a refused prompt or a
+    failed step is answered at once, not once the request's other prompts have waited their turn and run."""
+    gets = [asyncio.ensure_future(stream.events.get()) for stream in streams]
+    try:
+        for get in asyncio.as_completed(gets):
+            if isinstance(event := await get, APIError):
+                return [event]
+        return [get.result() for get in gets]
+    finally:  # the reads still waiting (the caller aborts their streams), also when the caller is cancelled
+        for get in gets:
+            get.cancel()
 
 
 class EngineClient:

@@ -33,7 +33,6 @@ takes token-id prompts and still says what it generated; vLLM's `/tokenize`, `/d
 import asyncio
 import copy
 import json
-import secrets
 import signal
 import socket
 import sys
@@ -50,17 +49,11 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from nano.api import (DEFAULT_COMPLETION_TOKENS, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                      parse)
+                      check_api_key, parse)
 from nano.cli import ArgumentParser, UsageError, add_engine_args, build_engine, cli, resolve_model_or_shape
 from nano.config import load_config
-from nano.engine_process import APIError, EngineClient, Stream, Token, start_engine_process
+from nano.engine_process import APIError, EngineClient, Stream, Token, first_events, start_engine_process
 from nano.tokenizer import Detokenizer, Tokenizer, TokenizerError
-
-
-async def check_api_key(http: HTTPRequest):
-    api_key, sent = http.app.state.api_key, http.headers.get("authorization", "")
-    if api_key is not None and not secrets.compare_digest(sent.encode(), f"Bearer {api_key}".encode()):
-        raise APIError(401, "missing or wrong API key (send Authorization: Bearer KEY)", code="invalid_api_key")
 
 
 router = APIRouter()
@@ -190,12 +183,12 @@ async def generate(http: HTTPRequest, body, prompts: list[list[int]], chat: bool
         client.submit(stream)
     abort = partial(client.abort, *streams)
     # the first events decide the status: a refusal is a 400, before any response has started
-    firsts = await until_disconnected(http, asyncio.gather(*(s.events.get() for s in streams)))
-    if firsts is None or any(isinstance(first, APIError) for first in firsts):
+    firsts = await until_disconnected(http, first_events(streams))
+    if firsts is None or isinstance(firsts[0], APIError):  # first_events gives [the error] alone
         abort()
         if firsts is None:
             return Response(status_code=499)  # nobody is listening (nginx's code for it)
-        raise next(first for first in firsts if isinstance(first, APIError))
+        raise firsts[0]
     stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
     # chat output starts a new message; a completion continues its prompt's text
     choices = [_pieces(s, first, Detokenizer(state.tokenizer, [] if chat else s.prompt_ids, stop), client)
@@ -205,7 +198,7 @@ async def generate(http: HTTPRequest, body, prompts: list[list[int]], chat: bool
         return StreamingResponse(answer.events(choices), media_type="text/event-stream",
                                  background=BackgroundTask(abort))
     try:
-        collected = await until_disconnected(http, asyncio.gather(*(_collect(c) for c in choices)))
+        collected = await until_disconnected(http, _collect(choices))
     finally:  # a failed step (the other choices are of no use) or a client gone; a no-op for those done
         abort()
     if collected is None:
@@ -232,8 +225,11 @@ async def _pieces(stream: Stream, event, detokenizer: Detokenizer, client: Engin
         event = await stream.events.get()
 
 
-async def _collect(pieces):
-    return [piece async for piece in pieces]
+async def _collect(choices: list) -> list[list]:  # through _merged: a choice that fails cancels the others' reads
+    collected = [[] for _ in choices]
+    async for i, piece in _merged(choices):
+        collected[i].append(piece)
+    return collected
 
 
 async def _merged(sources: list):

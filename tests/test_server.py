@@ -457,6 +457,56 @@ def test_an_engine_that_dies_fails_what_it_held_and_what_comes_later(tiny_model,
         assert status == 503 and reply["status"] == "engine process exited", reply
 
 
+def test_a_refused_prompt_is_answered_without_waiting_for_the_requests_other_prompts(tiny_model):
+    """One prompt of a list is refused (too long) while the others queue behind a long request for the
+    only row: the 400 comes at once, as vLLM's, and the others leave the queue."""
+    engine = Engine(tiny_model, EngineConfig(max_total_tokens=10000, max_running_requests=1, log=False))
+    with in_process_server(engine, Tokenizer(tiny_model)) as (url, client):
+        hog = http.client.HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout=60)
+        hog.request("POST", "/v1/completions", json.dumps(dict(prompt=[1, 2, 3], max_tokens=4000, ignore_eos=True,
+                                                               stream=True)), {"Content-Type": "application/json"})
+        hogging = hog.getresponse()
+        hogging.readline()  # it holds the only row for far longer than the wait below
+        request = urllib.request.Request(url + "/v1/completions", json.dumps(dict(prompt=["hi", TOO_LONG])).encode(),
+                                         {"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=10)
+        assert refused.value.code == 400, refused.value.read()
+        deadline = time.time() + 10
+        while call(url, "/health")[1]["waiting"]:  # "hi" is aborted, not left to run for nobody
+            assert time.time() < deadline, client.streams
+            time.sleep(0.05)
+        hogging.close()
+        hog.close()
+
+
+def test_a_failed_step_leaves_no_choice_of_a_request_waiting(tiny_model):
+    """A non-streamed request's choices: one is retracted to the queue, then a step fails the ones
+    running. The 500 goes out, and the read of the retracted choice ends too, not left pending forever
+    (asyncio's gather leaves the rest running when one raises)."""
+    engine = Engine(tiny_model, EngineConfig(max_total_tokens=48, max_running_requests=8, log=False))
+    real_model, retract, passes, retracted = engine.model, engine.scheduler.retract, [], []
+    engine.scheduler.retract = lambda req: (retracted.append(len(passes)), retract(req))
+
+    def model(batch, attn):  # the second pass after the first retraction raises
+        passes.append(batch)
+        if retracted and len(passes) == retracted[0] + 2:
+            raise RuntimeError("injected fault")
+        return real_model(batch, attn)
+
+    engine.model = model
+    body = dict(prompt=[[5, 6, 7, 8], [9, 10, 11, 12]], n=2, max_tokens=30, ignore_eos=True)
+
+    async def readers():
+        return [t for t in asyncio.all_tasks() if "_collect" in repr(t) or "_pieces" in repr(t)]
+
+    with in_process_server(engine, Tokenizer(tiny_model)) as (url, client):
+        assert call(url, "/v1/completions", body)[0] == 500 and retracted
+        time.sleep(0.2)
+        assert asyncio.run_coroutine_threadsafe(readers(), client.loop).result(timeout=10) == []
+        assert not client.streams and call(url, "/health")[1]["waiting"] == 0
+
+
 @contextmanager
 def in_process_server(engine, tokenizer):
     """The server in this process, its engine loop on a thread (`nano.serve` runs it in a process
@@ -498,6 +548,39 @@ def test_bench_serving_counts_every_token(server, tmp_path, capsys):
         assert float(rows["Median ITL (ms)"]) > 0 and "warning" not in captured.err
         assert int(rows["Most requests running at once"].split(";")[0]) <= 4  # sampled every 0.2 s
     wait_until_idle(server)  # the hung-up requests were aborted, not left running to the context
+
+
+def test_stats_line_leaves_out_the_time_the_engine_sat_idle(tmp_path, monkeypatch, capsys):
+    """Two bursts of one request, an hour idle between them, one step a second (a fake clock): every
+    stats line reads about 1 decode token a second. Counting the idle hour, the line after it read 0.0."""
+    import types
+
+    from nano import engine_process
+    from nano.engine_process import AddRequest, Shutdown
+    from nano.sampling import SamplingParams
+    from tests.helpers import LLAMA_TINY, save_tiny_llama
+
+    save_tiny_llama(tmp_path, "gqa")
+    engine = Engine(tmp_path, EngineConfig(max_total_tokens=200, max_running_requests=4, log=False))
+    clock = [0.0]
+    monkeypatch.setattr(engine_process, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: (clock.__setitem__(0, clock[0] + 1.0), step())[1])
+    prompt = random.Random(0).choices(range(LLAMA_TINY["vocab_size"]), k=8)
+    messages = [AddRequest(i, prompt, SamplingParams(max_new_tokens=35, ignore_eos=True), set()) for i in range(2)]
+
+    class Inbox:  # the engine waits here only when idle: an hour passes before each message
+        def get(self):
+            clock[0] += 3600.0
+            return messages.pop(0) if messages else Shutdown()
+
+        def get_nowait(self):
+            raise queue.Empty
+
+    run_engine(engine, Inbox(), queue.Queue())
+    rates = [float(line.split("decode ")[1].split(" tok/s")[0]) for line in capsys.readouterr().err.splitlines()
+             if line.startswith("engine:")]
+    assert len(rates) >= 4 and all(0.5 <= rate <= 1.0 for rate in rates), rates
 
 
 def test_bench_serving_percentiles_are_numpys():
@@ -582,7 +665,7 @@ def test_text_held_in_a_split_character_is_sent_when_the_request_ends(smollm2_di
         stream = Stream(prompt_ids=[1], params=SamplingParams(), stop_ids=set())
         for token in tokens[1:]:
             stream.events.put_nowait(token)
-        return await _collect(_pieces(stream, tokens[0], Detokenizer(tokenizer, [], ["never"]), client=None))
+        return (await _collect([_pieces(stream, tokens[0], Detokenizer(tokenizer, [], ["never"]), client=None)]))[0]
 
     collected = asyncio.run(pieces())
     assert "".join(text for text, _, _ in collected) == tokenizer.decode(ids) == "Hi \ufffd"
