@@ -19,7 +19,8 @@ torch is imported inside the functions, not at the top: see cli.py.
 
 import time
 
-from nano.cli import ArgumentParser, UsageError, add_engine_args, build_engine, cli, resolve_model_or_shape
+from nano.cli import (ArgumentParser, UsageError, add_engine_args, build_engine, cli, parse_device,
+                      resolve_model_or_shape)
 
 
 def random_requests(num: int, input_range: tuple[int, int], output_range: tuple[int, int], vocab: int,
@@ -72,7 +73,7 @@ def run_hf_peer(model_dir, requests, dtype, device) -> tuple[int, float]:
 
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog="python -m nano.bench_throughput", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="llama-3-8b", help="model folder or shipped shape")
+    p.add_argument("--model", help="model folder or shipped shape; default: llama-3-8b on a GPU, smollm2-135m on CPU")
     p.add_argument("--num-prompts", type=int, default=256, help="requests, all queued at once")
     p.add_argument("--input-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"),
                    help="prompt lengths, uniform in [MIN, MAX]")
@@ -92,6 +93,8 @@ def run(args):
     for flag, (low, high) in [("--input-len", args.input_len), ("--output-len", args.output_len)]:
         if not 1 <= low <= high:
             raise UsageError(f"{flag} {low} {high}: need 1 <= MIN <= MAX")
+    if args.model is None:  # as bench_latency's: an 8B model in float32 would not fit a CPU host's memory
+        args.model = "llama-3-8b" if parse_device(args.device).type == "cuda" else "smollm2-135m"
     engine = build_engine(args, model_dir := resolve_model_or_shape(args))
     longest = args.input_len[1] + args.output_len[1]
     if longest > engine.context_length:  # else the engine cuts requests short, and the count is of fewer tokens

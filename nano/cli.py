@@ -10,6 +10,7 @@ library at its top, so that the seconds spent importing torch happen inside `cli
 
 import argparse
 import importlib.util
+import io
 import os
 import sys
 from pathlib import Path
@@ -150,6 +151,8 @@ def engine_config(args, **overrides):
                          f"(--device {args.device})")
     if args.threads is not None and on_gpu:
         raise UsageError("--threads sets the CPU's threads; this run computes on the GPU")
+    if (args.threads or 0) > (os.cpu_count() or 1):  # torch starts them all: 100000 crash the process
+        raise UsageError(f"--threads {args.threads}: this machine runs {os.cpu_count()} threads at once")
     cuda_graph = on_gpu and backend == "triton" and not args.disable_cuda_graph
     if args.cuda_graph_max_bs is not None and not cuda_graph:
         raise UsageError("--cuda-graph-max-bs: CUDA graphs run only on a GPU, with the triton backend, "
@@ -192,6 +195,8 @@ def one_line_errors() -> tuple[type[Exception], ...]:
 def cli(build_parser, run, argv=None):
     """Parse flags with `build_parser()` and `run(args)`. A known failure ends with one line
     `error: ...` and exit status 2, Ctrl-C with exit status 130, neither with a traceback."""
+    if isinstance(sys.stdout, io.TextIOWrapper):  # PYTHONIOENCODING=ascii: write é as \xe9, as stderr does,
+        sys.stdout.reconfigure(errors="backslashreplace")  # not a UnicodeEncodeError traceback mid-stream
     try:
         errors = one_line_errors()
         try:

@@ -10,6 +10,7 @@ stdout holds only generated text (and those separators); progress and stats go t
 The flags the commands share, finding the model, and one-line errors are cli.py's.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -21,6 +22,8 @@ def run(args):
     from nano.sampling import SamplingParams
     from nano.tokenizer import StreamDecoder, Tokenizer
 
+    if sys.stdout is None:  # file descriptor 1 closed (`>&-`): the whole run would print nothing, and exit 0
+        raise UsageError("standard output is closed: the completion would go nowhere")
     prompts = read_prompts(args)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_new_tokens=args.max_new_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
@@ -59,14 +62,27 @@ def run(args):
         if last:
             whole.add(req.rid)
         if len(requests) == 1:
-            print(texts[req.rid][-1], end="", flush=True)
+            emit(texts[req.rid][-1])
             continue
         while next_to_print < len(requests) and requests[next_to_print].rid in whole:
-            print(f"--- prompt {next_to_print + 1} ---\n{''.join(texts[requests[next_to_print].rid])}", flush=True)
+            emit(f"--- prompt {next_to_print + 1} ---\n{''.join(texts[requests[next_to_print].rid])}\n")
             next_to_print += 1
     if len(requests) == 1:
-        print()
+        emit("\n")
     print_stats(engine.stats, len(requests))
+
+
+def emit(text: str):
+    """Write generated text to stdout now. A write that fails (a full disk, `> /dev/full`) ends the run
+    with one line, as cat's `write error`, not a traceback; a closed pipe is cli's (a quiet exit)."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except OSError as e:
+        if isinstance(e, BrokenPipeError):
+            raise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else the flush at exit fails again
+        raise UsageError(f"cannot write the output to standard output: {e.strerror}") from None
 
 
 def print_stats(s: dict, num_requests: int):
@@ -86,13 +102,14 @@ def read_prompts(args) -> list[str]:
     if args.prompt_file:
         if args.prompt_file == "-" and sys.stdin is None:  # file descriptor 0 closed (`<&-`)
             raise UsageError("--prompt-file -: standard input is closed")
-        try:
-            text = sys.stdin.read() if args.prompt_file == "-" else Path(args.prompt_file).read_text()
+        try:  # UTF-8 whatever the locale or PYTHONIOENCODING say; a BOM (Notepad's) is not prompt text
+            data = sys.stdin.buffer.read() if args.prompt_file == "-" else Path(args.prompt_file).read_bytes()
+            text = data.decode("utf-8-sig").replace("\r\n", "\n").replace("\r", "\n")
         except OSError as e:
             raise UsageError(f"cannot read --prompt-file: {e.strerror}: {args.prompt_file}") from None
         except UnicodeDecodeError:
             raise UsageError(f"--prompt-file {args.prompt_file} is not UTF-8 text") from None
-        # one a line: split at line ends only (reading made \r\n and \r into \n), not at the form
+        # one a line: split at line ends only (\r\n and \r made \n above), not at the form
         # feeds and Unicode line separators that str.splitlines splits at too
         prompts += [line for line in text.split("\n") if line.strip()]
     if not prompts:

@@ -41,19 +41,21 @@ import uuid
 from contextlib import asynccontextmanager
 from functools import partial
 
-import uvicorn
-from fastapi import APIRouter, Depends, FastAPI
-from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
-from starlette.exceptions import HTTPException
+try:  # Ctrl-C while these import torch (seconds; nano.cli's `cli` is not running yet): exit 130, no traceback
+    import uvicorn
+    from fastapi import APIRouter, Depends, FastAPI, Request as HTTPRequest
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from starlette.background import BackgroundTask
+    from starlette.exceptions import HTTPException
 
-from nano.api import (DEFAULT_COMPLETION_TOKENS, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                      check_api_key, parse)
-from nano.cli import ArgumentParser, UsageError, add_engine_args, build_engine, cli, resolve_model_or_shape
-from nano.config import load_config
-from nano.engine_process import APIError, EngineClient, Stream, Token, first_events, start_engine_process
-from nano.tokenizer import Detokenizer, Tokenizer, TokenizerError
+    from nano.api import (DEFAULT_COMPLETION_TOKENS, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                          check_api_key, parse)
+    from nano.cli import ArgumentParser, UsageError, add_engine_args, build_engine, cli, resolve_model_or_shape
+    from nano.config import load_config
+    from nano.engine_process import APIError, EngineClient, Stream, Token, first_events, start_engine_process
+    from nano.tokenizer import Detokenizer, Tokenizer, TokenizerError
+except KeyboardInterrupt:
+    sys.exit(130)
 
 
 router = APIRouter()

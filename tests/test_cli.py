@@ -289,6 +289,7 @@ def test_help_shows_defaults_and_examples(module):
     (["--max-total-tokens", "200", "--batch-size", "2"], "does not fit"),  # else it times one at a time
     (["--device", "cpu", "--tp-size", "2"], "splits the model over GPUs, and this run has none"),
     (["--device", "cpu", "--threads", "0"], "--threads must be > 0"),
+    (["--device", "cpu", "--threads", "100000"], "--threads 100000: this machine runs"),  # torch crashed on it
 ])
 def test_bad_engine_flags(flags, fragment):
     """Flag errors come before any model is loaded (a batch that does not fit the KV cache once it is
@@ -396,3 +397,73 @@ def test_prompt_file_splits_prompts_only_at_line_ends(tiny_model, tmp_path, sepa
                      "--no-chat-template")
     assert result.returncode == 0, result.stderr
     assert "2 prompt(s)" in result.stderr
+
+
+def test_stdout_that_cannot_encode_the_text_gets_it_escaped(smollm2_dir):
+    """PYTHONIOENCODING=ascii: the completion comes out as a UTF-8 stdout gets it, each character ascii
+    cannot encode escaped (as Python's stderr does), not a UnicodeEncodeError traceback mid-stream."""
+    args = ("--model", str(smollm2_dir), "--prompt", "Écris en français: je suis très content",
+            "--max-new-tokens", "12")
+    utf8 = run_cli(*args, env=os.environ | {"PYTHONIOENCODING": "utf-8"})
+    assert utf8.returncode == 0 and not utf8.stdout.isascii(), utf8.stderr  # else this tests nothing
+    result = run_cli(*args, env=os.environ | {"PYTHONIOENCODING": "ascii"})
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert result.stdout == utf8.stdout.encode("ascii", "backslashreplace").decode()
+
+
+@pytest.mark.parametrize("how", ["file with a BOM", "stdin, PYTHONIOENCODING=ascii"])
+def test_prompt_file_is_read_as_utf8_text(tiny_model, tmp_path, how):
+    """A prompt file is UTF-8 text whatever stdin's encoding, and a byte order mark (Notepad writes one)
+    is not part of the prompt: the model gets the tokens that --prompt with the same text gives it."""
+    prompts = ["Écris un poème", "Say hi"]
+    flags = ("--model", str(tiny_model), "--max-new-tokens", "1", "--no-chat-template")
+    reference = run_cli(*flags, "--prompt", prompts[0], "--prompt", prompts[1])
+    assert reference.returncode == 0, reference.stderr
+    data = "\r\n".join(prompts).encode()
+    if how == "file with a BOM":
+        (tmp_path / "prompts.txt").write_bytes(b"\xef\xbb\xbf" + data)
+        result = run_cli(*flags, "--prompt-file", str(tmp_path / "prompts.txt"))
+    else:
+        result = run_cli(*flags, "--prompt-file", "-", input=data.decode(),
+                         env=os.environ | {"PYTHONIOENCODING": "ascii"})
+    assert result.returncode == 0, result.stderr
+    count = next(line for line in reference.stderr.splitlines() if "prompt tokens" in line)
+    assert count in result.stderr, result.stderr
+
+
+def test_ctrl_c_while_the_server_imports_exits_130_without_traceback(smollm2_dir):
+    """serve.py imports torch at its top, before `cli` runs: Ctrl-C there ends as it does in generate."""
+    proc = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "nano.serve", "--model", str(smollm2_dir),
+                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while "torch._utils" not in proc.stderr.readline():  # `import torch` has begun (see the test above)
+        assert proc.poll() is None, proc.stderr.read()
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode in (130, -signal.SIGINT), stderr
+    assert "Traceback" not in stderr, stderr
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
+def test_stdout_that_cannot_be_written_is_one_line(tiny_model):
+    """`> /dev/full` (a full disk): one line, as cat's `write error`; the flush at exit must not fail again."""
+    for prompts in (["hi"], ["hi", "Name a colour."]):  # streamed, and printed whole per prompt
+        with open("/dev/full", "w") as full:
+            result = subprocess.run([sys.executable, "-m", "nano.generate", "--model", str(tiny_model),
+                                     "--max-new-tokens", "3", *(f for p in prompts for f in ("--prompt", p))],
+                                    stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+        result.stdout = ""
+        assert_one_line_error(result, "cannot write the output", "No space left on device")
+
+
+def test_stdout_closed_is_one_line(tiny_model):
+    """`... >&-`: Python's sys.stdout is None and print() writes nowhere: the run would end with status 0."""
+    result = run_cli("--model", str(tiny_model), "--prompt", "hi", preexec_fn=lambda: os.close(1))
+    assert_one_line_error(result, "standard output is closed")
+
+
+def test_bench_throughput_without_a_model_runs_a_shape_that_fits():
+    """As bench_latency: on CPU the default shape is smollm2-135m, not Llama-3-8B (30 GiB in float32)."""
+    result = run_cli("--device", "cpu", "--num-prompts", "2", "--input-len", "4", "8", "--output-len", "2", "3",
+                     module="nano.bench_throughput")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("nano: 2 requests")
