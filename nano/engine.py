@@ -105,6 +105,8 @@ class EngineConfig:
             raise ValueError(f"chunked-prefill-size must be > 0, or 0 or -1 for off; got {self.chunked_prefill_size}")
         if not 0 < self.mem_fraction < 1:  # NaN fails this too
             raise ValueError(f"mem-fraction must be between 0 and 1, got {self.mem_fraction}")
+        if self.cuda_graph and not (str(self.device).startswith("cuda") and self.attention_backend == "triton"):
+            raise ValueError("cuda-graph needs a cuda device and the triton backend (the torch one reads the host)")
 
 
 @dataclass
@@ -166,10 +168,8 @@ class Engine:
             self.attn = TritonAttnBackend(self.kv_pool, req_to_token, config.max_running_requests, shard_cfg.num_heads)
         else:
             self.attn = TorchAttnBackend(self.kv_pool, req_to_token)
-        self.graph_runner = None
-        if config.cuda_graph:
-            max_bs = min(config.cuda_graph_max_bs or config.max_running_requests, config.max_running_requests)
-            self.graph_runner = CudaGraphRunner(self.model, self.attn, max_bs, self.device, self.log)
+        max_bs = min(config.cuda_graph_max_bs or config.max_running_requests, config.max_running_requests)
+        self.graph_runner = CudaGraphRunner(self.model, self.attn, max_bs, self.device, self.log) if config.cuda_graph else None
 
     def _load_model(self, model_dir, shard_cfg):
         """Check that the weights, the request table and a KV cache of the size asked for (or, failing

@@ -145,6 +145,9 @@ def test_generate_refuses_a_call_it_cannot_run_whole(tmp_path):
     (dict(max_total_tokens=64.5), "max-total-tokens must be > 0 (an integer)"),
     (dict(context_length=float("nan")), "context-length must be > 0 (an integer)"),
     (dict(context_length=257), "context length 257: this model's is 256"),  # was cut to 256 silently; vLLM refuses
+    # the Python API's graphs (cli.py never asks for them there): torch's AssertionError on CPU, a TypeError in capture
+    (dict(cuda_graph=True), "cuda-graph needs a cuda device and the triton backend"),
+    (dict(cuda_graph=True, device="cuda", attention_backend="torch"), "cuda-graph needs a cuda device and the triton"),
 ])
 def test_a_setting_it_cannot_honour_is_refused_not_replaced(tmp_path, setting, message):
     """A misspelt attention backend ran the torch one, a misspelt load format loaded the checkpoint:
