@@ -20,6 +20,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 # A config saved on its own (config.save_pretrained, not the model's) has no `architectures`:
 # transformers' Auto classes then go by model_type, and so do we.
 MODEL_TYPES = dict(zip(("llama", "mistral", "qwen2", "qwen3", "deepseek_v2"), SUPPORTED_ARCHITECTURES))
+KV_HEADS_DEFAULT = {"MistralForCausalLM": 8, "Qwen2ForCausalLM": 32, "Qwen3ForCausalLM": 32}  # transformers'
 
 
 class ConfigError(ValueError):
@@ -37,7 +38,7 @@ class ModelConfig:
     head_dim: int
     intermediate_size: int
     rms_norm_eps: float
-    max_position_embeddings: int
+    max_position_embeddings: int  # the context: with YaRN, its original context times its factor, if longer
     tie_word_embeddings: bool
     rope_theta: float
     # Normalised rope scaling: None, or a dict with "rope_type" in {"linear", "llama3", "yarn", "dynamic"}
@@ -116,8 +117,9 @@ def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
             hidden_size=hidden,
             num_layers=int(need("num_hidden_layers")),
             num_heads=num_heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-            # absent, Qwen3's config class makes it 128 (its models' width), the others hidden / heads
+            # absent, each family's config class sets these two: Mistral's 8 KV heads, Qwen's 32, the others
+            # one a head (null: one a head for all); Qwen3's head_dim 128 (its models' width), the others hidden / heads
+            num_kv_heads=int(raw.get("num_key_value_heads", KV_HEADS_DEFAULT.get(arch)) or num_heads),
             head_dim=int(raw.get("head_dim", 128 if arch == "Qwen3ForCausalLM" else None) or hidden // num_heads),
             intermediate_size=int(need("intermediate_size")),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
@@ -129,6 +131,10 @@ def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             qkv_bias=arch == "Qwen2ForCausalLM", qk_norm=arch == "Qwen3ForCausalLM",
         )
+        if rope_scaling and rope_scaling["rope_type"] == "yarn":  # YaRN stretches the original context by its
+            # factor, and a config may keep the unstretched length (Qwen2.5's card adds only rope_scaling): vLLM's rule
+            stretched = int(rope_scaling["original_max_position_embeddings"] * rope_scaling["factor"])
+            cfg.max_position_embeddings = max(cfg.max_position_embeddings, stretched)
         _refuse_unsupported(raw, arch, cfg, source)
         if arch == "DeepseekV2ForCausalLM":
             _parse_deepseek(raw, cfg, need, source)
@@ -161,6 +167,8 @@ def _refuse_unsupported(raw: dict, arch: str, cfg: ModelConfig, source: str) -> 
     reads_mlp_bias = arch in ("LlamaForCausalLM", "DeepseekV2ForCausalLM")
     if (reads_attention_bias and raw.get("attention_bias")) or (reads_mlp_bias and raw.get("mlp_bias")):
         raise ConfigError(f"{source}: attention_bias and mlp_bias are not supported (nano has q/k/v biases, as Qwen2)")
+    if cfg.head_dim % 2 and not cfg.is_deepseek:  # rope turns channel pairs (transformers refuses it too); else
+        raise ConfigError(f"{source}: head_dim {cfg.head_dim} is odd: rope needs pairs of channels")  # a crash in rope
     if cfg.num_heads % cfg.num_kv_heads:  # else it loads, then the first request crashes in attention
         raise ConfigError(f"{source}: num_attention_heads ({cfg.num_heads}) is not a multiple of "
                           f"num_key_value_heads ({cfg.num_kv_heads})")

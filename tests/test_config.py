@@ -74,6 +74,8 @@ def test_qwen_without_the_sliding_window_key_slides_over_4096(family):
      "partial_rotary_factor 0.5 with 'yarn'"),
     (dict(num_attention_heads=0, head_dim=None), "division"),  # head_dim from hidden / heads
     (dict(num_key_value_heads=3), "not a multiple of num_key_value_heads"),  # attention would crash
+    (dict(head_dim=17), "head_dim 17 is odd"),  # rope's halves: the first request crashed (RuntimeError)
+    (dict(hidden_size=68, head_dim=None), "head_dim 17 is odd"),  # hidden / heads
 ])
 def test_configs_that_would_compute_something_else_or_crash_are_one_line(fields, fragment):
     raw = raw_config("Llama", "v5", num_attention_heads=4) | fields
@@ -100,6 +102,17 @@ def test_head_dim_absent_takes_the_config_class_default(family):
     raw.pop("head_dim", None)
     hf = getattr(transformers, f"{family}Config")(**{k: v for k, v in raw.items() if k != "architectures"})
     assert parse_config(raw).head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
+
+
+@pytest.mark.parametrize("family", ["Llama", "Mistral", "Qwen2", "Qwen3"])
+def test_kv_heads_absent_take_the_config_class_default(family):
+    """A config.json without num_key_value_heads: Mistral's config class makes it 8 and Qwen's 32, as
+    their checkpoints' k/v weights are shaped; nano took one per head and refused those weights."""
+    raw = raw_config(family, "v4", num_attention_heads=64, head_dim=2, sliding_window=None)
+    del raw["num_key_value_heads"]
+    hf = getattr(transformers, f"{family}Config").from_dict(raw)
+    assert parse_config(raw).num_kv_heads == hf.num_key_value_heads
+    assert parse_config(raw | {"num_key_value_heads": None}).num_kv_heads == 64  # null: one a head, as transformers
 
 
 @pytest.mark.parametrize("shape", ["qwen3-8b", "qwen2.5-7b"])

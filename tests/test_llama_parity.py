@@ -121,3 +121,20 @@ def test_rope_scaling_added_to_a_v5_config(tmp_path, monkeypatch):
     outputs = Engine(tmp_path, EngineConfig(max_total_tokens=256, log=False)).generate(
         prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))
     assert_matches_hf(hf_model, prompts, outputs, steps)
+
+
+def test_yarn_stretches_the_context(tmp_path, monkeypatch):
+    """Qwen2.5's model card adds YaRN (factor 4 over its 32768 tokens) to a config whose
+    max_position_embeddings stays 32768, to run 131072: transformers computes any position, vLLM
+    takes the original context times the factor. nano refused every prompt past max_position_embeddings."""
+    save_tiny_llama(tmp_path, "qwen2-bias")
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["rope_scaling"] = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    hf_model = transformers.Qwen2ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    steps = record_logits(monkeypatch)
+    prompts = random_prompts([300, 3], LLAMA_TINY["vocab_size"])  # past the 256 of max_position_embeddings
+    engine = Engine(tmp_path, EngineConfig(max_total_tokens=2048, log=False))
+    assert engine.context_length == 1024
+    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert_matches_hf(hf_model, prompts, outputs, steps)
