@@ -101,9 +101,11 @@ def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
         raise ConfigError(f"{source}: unsupported architecture {named!r}; "
                           f"nano supports {', '.join(SUPPORTED_ARCHITECTURES)}")
 
-    def need(key):
+    def need(key):  # a size the model is built from (0 layers or -4 heads crashed later, in a traceback)
         if key not in raw or raw[key] is None:
             raise ConfigError(f"{source}: missing required field {key!r}")
+        if int(raw[key]) <= 0:
+            raise ConfigError(f"{source}: {key} must be above 0, got {raw[key]}")
         return raw[key]
 
     try:

@@ -72,7 +72,9 @@ def test_qwen_without_the_sliding_window_key_slides_over_4096(family):
      "partial_rotary_factor 0.5 with 'linear'"),
     (dict(partial_rotary_factor=0.5, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}),
      "partial_rotary_factor 0.5 with 'yarn'"),
-    (dict(num_attention_heads=0, head_dim=None), "division"),  # head_dim from hidden / heads
+    (dict(num_attention_heads=0, head_dim=None), "num_attention_heads must be above 0, got 0"),  # was "division"
+    (dict(num_hidden_layers=0), "num_hidden_layers must be above 0, got 0"),  # a TypeError traceback
+    (dict(num_attention_heads=-4), "num_attention_heads must be above 0, got -4"),  # a traceback at load
     (dict(num_key_value_heads=3), "not a multiple of num_key_value_heads"),  # attention would crash
     (dict(head_dim=17), "head_dim 17 is odd"),  # rope's halves: the first request crashed (RuntimeError)
     (dict(hidden_size=68, head_dim=None), "head_dim 17 is odd"),  # hidden / heads
