@@ -310,9 +310,9 @@ class Answer:
                 "text_offset": offsets}
 
     def chat_logprobs(self, entries: list) -> dict:
-        def item(token, logprob):
-            text = self.token_text(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        def item(token, logprob):  # bytes: a character's part too (no text of its own), as OpenAI's
+            text, raw = self.token_text(token), self.tokenizer.token_bytes(token) if self.tokenizer else b""
+            return {"token": text, "logprob": logprob, "bytes": list(raw or text.encode())}
 
         return {"content": [{**item(t, logprob), "top_logprobs": [item(*alt) for alt in top]}
                             for t, logprob, top in entries]}

@@ -22,6 +22,7 @@ Two places need care:
 """
 
 import json
+import re
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -34,6 +35,10 @@ from tokenizers import Tokenizer as HFTokenizer
 from nano.config import read_json
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder writes for bytes that are not (yet) a whole character
+# GPT-2's byte-level alphabet, backwards: printable bytes stand for themselves, the others for chr(256 + i)
+_PRINTABLE = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+_BYTE_OF_CHAR = {chr(b): b for b in _PRINTABLE} | {
+    chr(256 + i): b for i, b in enumerate(b for b in range(256) if b not in _PRINTABLE)}
 
 
 class TokenizerError(ValueError):
@@ -156,6 +161,17 @@ class Tokenizer:
         # read "Paris"; in its place it reads " Paris" (vLLM puts the space back too).
         piece = self._tokenizer.id_to_token(token_id) or ""
         return " " * (len(piece) - len(piece.lstrip("▁")) - (len(text) - len(text.lstrip(" ")))) + text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's UTF-8 bytes (a chat logprob's `bytes`). A token that holds part of a character
+        reads as U+FFFD alone, but its own bytes, joined with its neighbours', spell the character."""
+        text, piece = self.token_text(token_id), self._tokenizer.id_to_token(token_id) or ""
+        if REPLACEMENT_CHAR not in text:
+            return text.encode()
+        if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):  # SentencePiece's byte fallback (Llama-2, Mistral)
+            return bytes([int(piece[3:5], 16)])
+        # byte-level BPE (GPT-2, Llama-3, SmolLM2) writes each byte as one of 256 printable characters
+        return bytes(_BYTE_OF_CHAR[c] for c in piece) if all(c in _BYTE_OF_CHAR for c in piece) else text.encode()
 
 
 class StreamDecoder:

@@ -90,6 +90,21 @@ def test_openai_completion_logprobs_and_echo_match_hf(server, hf_logprobs):
             assert_top_matches(top[:5], ref[i - 1])  # token's own where it is not among them (OpenAI's logprobs + 1)
 
 
+def test_openai_chat_logprob_bytes_spell_the_message(server):
+    """OpenAI's `bytes`: "characters represented by multiple tokens" have their tokens' bytes "combined
+    to generate the correct text": an emoji or a kana takes several tokens, each U+FFFD as a token alone."""
+    client = openai.OpenAI(base_url=server + "/v1", api_key="none")
+    split = 0
+    for ask in ["Reply with three fruit emoji.", "Translate 'good morning' to Japanese."]:
+        reply = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": ask}], max_tokens=16,
+                                               temperature=0, logprobs=True, top_logprobs=2)
+        entries = reply.choices[0].logprobs.content
+        split += sum("\ufffd" in e.token for e in entries)
+        # a character cut short by max_tokens ends the text as U+FFFD, as the bytes decode
+        assert bytes(sum((e.bytes for e in entries), [])).decode(errors="replace") == reply.choices[0].message.content
+    assert split > 0  # the case in question came up
+
+
 def test_openai_n_samples_with_a_seed_differ_and_repeat(server):
     client = openai.OpenAI(base_url=server + "/v1", api_key="none")
     ask = dict(model=NAME, prompt="Once upon a time", max_tokens=12, temperature=1.0, n=3, seed=7)

@@ -177,3 +177,20 @@ def test_token_texts_join_up_to_the_text(tmp_path):
         answer_ids = tokenizer.encode_text(words)
         text = tokenizer.decode(prompt_ids + answer_ids)[len(tokenizer.decode(prompt_ids)) :]
         assert "".join(map(tokenizer.token_text, answer_ids)) == text == " " + words
+
+
+def test_token_bytes_join_up_to_the_texts_bytes(tokenizer, tmp_path):
+    """A chat logprob's `bytes`, as OpenAI's: joined over the tokens they are the text's UTF-8, also
+    where a character takes several tokens that read U+FFFD alone (byte-level BPE as SmolLM2's, and
+    SentencePiece's byte fallback, whose normalizer starts the text with a space)."""
+    save_byte_fallback_tokenizer(tmp_path)
+    rng = random.Random(0)
+    wide = [chr(rng.randrange(0x1F300, 0x1F650)) for _ in range(20)] + ["中", "é", "Ε", "日本", "\ufffd"]
+    for tok, lead in ((tokenizer, ""), (Tokenizer(tmp_path), " ")):
+        split = 0
+        for _ in range(40):
+            text = "".join(rng.choices(wide + ["a", " b"], k=rng.randint(1, 8)))
+            ids = tok.encode_text(text)
+            split += sum(REPLACEMENT_CHAR in tok.token_text(t) for t in ids)
+            assert b"".join(map(tok.token_bytes, ids)) == (lead + text).encode(), text
+        assert split > 0  # the case in question came up
