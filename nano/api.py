@@ -46,7 +46,7 @@ class StrictModel(BaseModel):
 
 
 class StreamOptions(StrictModel):
-    include_usage: bool = False
+    include_usage: bool | None = False  # null: the default, as in OpenAI's and vLLM's schemas
     # vLLM's usage in every chunk, which nano lacks: some clients send it off with every stream (as OFF_VALUES)
     continuous_usage_stats: Literal[False] | None = None
 

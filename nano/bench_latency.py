@@ -24,6 +24,7 @@ import time
 
 from nano.cli import (SHAPES, ArgumentParser, UsageError, add_engine_args, build_engine, cli, parse_device,
                       resolve_model_or_shape)
+from nano.config import load_config
 
 EXAMPLES = """examples:
   python -m nano.bench_latency                          # smollm2-135m on CPU, llama-3-8b on GPU
@@ -114,7 +115,11 @@ def run(args):
     if args.model is None:
         args.model = "llama-3-8b" if parse_device(args.device).type == "cuda" else "smollm2-135m"
     model_dir = resolve_model_or_shape(args)
-    max_bs = max(args.batch_size)
+    per_request, max_bs = args.input_len + args.output_len, max(args.batch_size)
+    # longer than the model's context: refused before the weights load and a KV cache of that size fills memory
+    if per_request > (context := args.context_length or load_config(model_dir).max_position_embeddings):
+        raise UsageError(f"{args.input_len} + {args.output_len} tokens per request do not fit: the context "
+                         f"holds {context} tokens")
     args.max_running_requests = max(args.max_running_requests, max_bs)
     if args.cuda_graph_max_bs is not None:
         args.cuda_graph_max_bs = max(args.cuda_graph_max_bs, max_bs)
@@ -125,7 +130,7 @@ def run(args):
     engine = build_engine(args, model_dir, max_prefill_tokens=max_bs * args.input_len, chunked_prefill_size=0,
                           radix_cache=False)
     # every request runs its whole length, and the whole batch at once: else the timings are of something else
-    per_request, pool = args.input_len + args.output_len, engine.kv_pool.capacity
+    pool = engine.kv_pool.capacity
     if per_request > engine.context_length or max_bs * per_request > pool:
         raise UsageError(f"batch {max_bs} of {args.input_len} + {args.output_len} tokens does not fit: the context "
                          f"holds {engine.context_length} tokens, the KV cache {pool}")

@@ -103,6 +103,8 @@ class EngineConfig:
                 raise ValueError(f"{name.replace('_', '-')} must be one of {known}, got {getattr(self, name)!r}")
         if (self.chunked_prefill_size or 0) < -1:
             raise ValueError(f"chunked-prefill-size must be > 0, or 0 or -1 for off; got {self.chunked_prefill_size}")
+        if str(self.device).partition(":")[0] not in CHUNK_SIZES:  # meta or mps: no kernels or chunk size for them
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
         if not 0 < self.mem_fraction < 1:  # NaN fails this too
             raise ValueError(f"mem-fraction must be between 0 and 1, got {self.mem_fraction}")
         if self.cuda_graph and not (str(self.device).startswith("cuda") and self.attention_backend == "triton"):
@@ -197,8 +199,9 @@ class Engine:
         whole = build_model(cfg, self.use_mla, "meta", self.dtype) if self.tp else self.model  # not one rank's part
         n_params = sum(p.numel() for p in whole.parameters())
         split = f"; split over {config.tp_size} ranks" if self.tp else ""
-        self._print(f"loaded {cfg.architecture} ({n_params / 1e9:.2f} B parameters, {self.dtype}) on {self.device} "
-                    f"in {time.perf_counter() - started:.1f} s{split}")
+        if self.log:
+            print(f"loaded {cfg.architecture} ({n_params / 1e9:.2f} B parameters, {self.dtype}) on {self.device} "
+                  f"in {time.perf_counter() - started:.1f} s{split}", file=sys.stderr)
 
     def _build_kv_cache(self, shard_cfg):
         config, per_token = self.config, self.kv_bytes_per_token
@@ -211,25 +214,25 @@ class Engine:
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, self.context_length, self.device)
         self.slots = SlotAllocator(capacity, self.device)
         self.prefix_cache = RadixCache(self.slots) if config.radix_cache else None
-        self._print(f"KV cache: {capacity} tokens ({per_token:,} bytes per token, "
-                    f"{(capacity * per_token) / 2**30:.2f} GiB), up to {config.max_running_requests} requests "
-                    f"of up to {self.context_length} tokens")
-
-    def _print(self, msg):
         if self.log:
-            print(msg, file=sys.stderr)
+            print(f"KV cache: {capacity} tokens ({per_token:,} bytes per token, {(capacity * per_token) / 2**30:.2f} "
+                  f"GiB), up to {config.max_running_requests} requests of up to {self.context_length} tokens",
+                  file=sys.stderr)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, stop_ids=()) -> Request:
-        """Queue a request; raises ValueError (one line) if it can never run."""
+        """Queue a request (ValueError, one line, if it can never run); with ignore_eos, EOS ids do not stop it."""
+        self.scheduler.waiting.append(req := self._request(prompt_ids, params, stop_ids))
+        return req
+
+    def _request(self, prompt_ids: list[int], params: SamplingParams, stop_ids) -> Request:
         check_request(prompt_ids, params, self.cfg.vocab_size, self.context_length)
         # never generate past the context (a copy: the caller's params may serve other requests)
         params = replace(params, max_new_tokens=min(params.max_new_tokens, self.context_length - len(prompt_ids)))
-        req = Request(self.next_rid, list(prompt_ids), params, set() if params.ignore_eos else set(stop_ids))
-        if params.seed is not None:
-            req.generator = torch.Generator(self.device).manual_seed(params.seed)
+        eos = set(self.cfg.eos_token_ids if params.ignore_eos else ())  # the caller's other stop ids still stop it
+        req = Request(self.next_rid, list(prompt_ids), params, set(stop_ids) - eos,
+                      generator=None if params.seed is None else torch.Generator(self.device).manual_seed(params.seed))
         self.next_rid += 1
-        self.scheduler.waiting.append(req)
         return req
 
     def abort(self, req: Request):
@@ -249,8 +252,7 @@ class Engine:
         chunks = self.scheduler.schedule_prefill()
         kind, new_events = ("prefill", self._prefill(chunks)) if chunks else ("decode", self._decode())
         events += new_events
-        # a step ends when the tokens it hands out are on the host: over many steps the clock
-        # reads the GPU's work
+        # a step ends when the tokens it hands out are on the host: over many steps the clock reads the GPU's work
         self.stats[kind + "_s"] += time.perf_counter() - started
         self.stats[kind + "_steps"] += 1
         return events
@@ -261,10 +263,8 @@ class Engine:
         req_to_token = self.req_to_token_pool.req_to_token
         for req, n, req_slots in zip(reqs, lens, slots.split(lens)):
             req_to_token[req.row, req.prefilled : req.prefilled + n] = req_slots
-        batch = ForwardBatch.extend(
-            [t for r, n in chunks for t in r.fill_ids[r.prefilled : r.prefilled + n]],
-            [r.prefilled for r in reqs], lens, [r.row for r in reqs], slots, self.device,
-        )
+        batch = ForwardBatch.extend([t for r, n in chunks for t in r.fill_ids[r.prefilled : r.prefilled + n]],
+                                    [r.prefilled for r in reqs], lens, [r.row for r in reqs], slots, self.device)
         logit_rows, ends = self._logit_rows(chunks)
         if len(logit_rows) > len(chunks):
             batch.logit_rows = to_device(logit_rows, torch.int64, self.device)
@@ -274,8 +274,7 @@ class Engine:
         except BaseException:  # the caller aborts these requests, and a release gives back what they
             self.slots.free(slots)  # held before this pass: the slots it took for them go back here
             raise
-        done = self.scheduler.prefilled(chunks)
-        if not done:
+        if not (done := self.scheduler.prefilled(chunks)):
             return []
         logits = logits[[ends[i] - 1 for i, r in enumerate(reqs) if r in done]]  # each request's last token
         tokens, asked, logprobs = self._sample(done, logits)
@@ -419,11 +418,12 @@ class Engine:
         if len(params) != len(prompts):  # zip would drop the prompts past the shorter list
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params: give one, or one per prompt")
         stop_ids = set(stop_ids)  # an iterator would reach the first prompt alone
-        for prompt, sp in zip(prompts, params):  # all checked before any is queued: a bad one must not leave the
-            check_request(prompt, sp, self.cfg.vocab_size, self.context_length)  # others to run with the next call
-        reqs = [self.add_request(p, sp, stop_ids) for p, sp in zip(prompts, params)]
+        # all checked before any is queued: a bad one must not leave the others to run with the next call
+        self.scheduler.waiting.extend(reqs := [self._request(p, sp, stop_ids) for p, sp in zip(prompts, params)])
         for _ in self.stream():
             pass
+        for req in reqs:  # the tokens alone go back: logprobs they asked for would stay here for ever
+            self.logprobs.pop(req.rid, None)
         return [r.output_ids for r in reqs]
 
     def close(self):

@@ -83,6 +83,7 @@ class Token:  # one generated token of one stream
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     prompt_logprobs: list | None = None  # with the first token: the prompt's (prompt_logprobs), as sampling.Logprobs
+    stop_reason: str | None = None  # vLLM's: the stop string that ended it (set by the HTTP side; EOS, length: None)
 
 
 @dataclass

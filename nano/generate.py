@@ -37,7 +37,7 @@ def run(args):
     if not args.no_chat_template and not tokenizer.has_chat_template:
         print(f"note: {model_dir} has no chat template; the prompts go to the model as raw text", file=sys.stderr)
     engine = build_engine(args, model_dir)
-    stop_ids = set(tokenizer.eos_token_ids) | set(engine.cfg.eos_token_ids)
+    stop_ids = set() if args.ignore_eos else set(tokenizer.eos_token_ids) | set(engine.cfg.eos_token_ids)
     requests = []
     for i, prompt in enumerate(prompts):
         ids = tokenizer.encode_prompt(prompt, use_chat_template=not args.no_chat_template)
@@ -56,19 +56,21 @@ def run(args):
     whole = set()  # requests whose every token is here: one is finished when its last token is
     # booked, which can be a step before this loop has it (two requests ending together, overlap)
     next_to_print = 0
-    for req, token in engine.stream():
-        last = req.finished and len(texts[req.rid]) + 1 == len(req.output_ids)
-        texts[req.rid].append(decoders[req.rid].push(token, last))
-        if last:
-            whole.add(req.rid)
+    try:
+        for req, token in engine.stream():
+            last = req.finished and len(texts[req.rid]) + 1 == len(req.output_ids)
+            texts[req.rid].append(decoders[req.rid].push(token, last))
+            if last:
+                whole.add(req.rid)
+            if len(requests) == 1:
+                emit(texts[req.rid][-1])
+                continue
+            while next_to_print < len(requests) and requests[next_to_print].rid in whole:
+                emit(f"--- prompt {next_to_print + 1} ---\n{''.join(texts[requests[next_to_print].rid])}\n")
+                next_to_print += 1
+    finally:  # the streamed line ends, also when Ctrl-C cuts it (else the shell's prompt lands on it)
         if len(requests) == 1:
-            emit(texts[req.rid][-1])
-            continue
-        while next_to_print < len(requests) and requests[next_to_print].rid in whole:
-            emit(f"--- prompt {next_to_print + 1} ---\n{''.join(texts[requests[next_to_print].rid])}\n")
-            next_to_print += 1
-    if len(requests) == 1:
-        emit("\n")
+            emit("\n")
     print_stats(engine.stats, len(requests))
 
 

@@ -27,7 +27,7 @@ choice opens with its role alone, as OpenAI's). Logprobs come from the engine wi
 Extensions to OpenAI's API, as SGLang and vLLM have them: `top_k`, `ignore_eos`, and the generated
 `token_ids` in every choice, so a server without a tokenizer (a shipped shape with dummy weights)
 takes token-id prompts and still says what it generated; vLLM's `/tokenize`, `/detokenize` and
-`/tokenizer_info`, through which lm-eval tokenizes as the server does.
+`/tokenizer_info`, through which lm-eval tokenizes as the server does; vLLM's choice `stop_reason`.
 """
 
 import asyncio
@@ -107,7 +107,7 @@ async def tokenize(http: HTTPRequest):
     elif isinstance(body.prompt, str) and not body.add_special_tokens:
         ids = await asyncio.to_thread(need_tokenizer(state, "a text prompt").encode_text, body.prompt)
     else:
-        ids = (await asyncio.to_thread(prompt_ids, state, body.prompt))[0]
+        ids = (await asyncio.to_thread(prompt_ids, state, [body.prompt], True))[0]  # "": no tokens or BOS (vLLM's)
     return {"count": len(ids), "max_model_len": state.client.context_length, "tokens": ids}
 
 
@@ -134,10 +134,10 @@ def prompt_list(prompt) -> list:
     return [prompt] if isinstance(prompt, str) or prompt and isinstance(prompt[0], int) else prompt
 
 
-def prompt_ids(state, prompt) -> list[list[int]]:
+def prompt_ids(state, prompt, empty_ok: bool = False) -> list[list[int]]:
     """A completion's `prompt` -> token ids per prompt; seconds for 4 MB, so routes run it off the event loop."""
     prompts = prompt_list(prompt)
-    if not prompts or not all(prompts):
+    if not prompts or not (empty_ok or all(prompts)):
         raise APIError(400, "prompt is empty", param="prompt")
     return [checked_ids(state, p) if isinstance(p, list) else
             need_tokenizer(state, "a text prompt").encode_prompt(p, use_chat_template=False) for p in prompts]
@@ -179,8 +179,8 @@ async def generate(http: HTTPRequest, body, prompts: list[list[int]], chat: bool
     if body.stop and state.tokenizer is None:
         raise APIError(400, "stop strings need a tokenizer; this server has none (see --tokenizer)", param="stop")
     max_new_tokens = 1 if max_tokens == 0 else max_tokens or (context if chat else DEFAULT_COMPLETION_TOKENS)
-    streams = [Stream(ids, body.sampling_params(max_new_tokens, j), state.stop_ids) for ids in prompts
-               for j in range(body.n)]
+    streams = [Stream(ids, body.sampling_params(max_new_tokens, j), set() if body.ignore_eos else state.stop_ids)
+               for ids in prompts for j in range(body.n)]  # state.stop_ids: the EOS ids, which ignore_eos drops
     for stream in streams:
         client.submit(stream)
     abort = partial(client.abort, *streams)
@@ -218,6 +218,7 @@ async def _pieces(stream: Stream, event, detokenizer: Detokenizer, client: Engin
         text, stopped = detokenizer.push(event.id, last=event.finish_reason is not None)
         if stopped:
             client.abort(stream)
+            event.stop_reason = stopped
             yield text, event, "stop"
             return
         if event.finish_reason:
@@ -296,7 +297,7 @@ class Answer:
                 entries = [(prompt[0], None, None)] + echoed + entries
             logprobs = self.chat_logprobs(entries) if self.chat else self.completion_logprobs(index, entries)
         return {"index": index, **content, "token_ids": [t.id for t in tokens], "logprobs": logprobs,
-                "finish_reason": reasons[-1]}
+                "finish_reason": reasons[-1], "stop_reason": tokens[-1].stop_reason if tokens else None}
 
     def completion_logprobs(self, index: int, entries: list) -> dict:
         texts, offsets = [self.token_text(t) for t, _, _ in entries], []

@@ -221,23 +221,24 @@ class Detokenizer:
         self.decoder = StreamDecoder(tokenizer, context_ids) if tokenizer else None
         self.stop, self.held = stop, ""
 
-    def push(self, token: int, last: bool = False) -> tuple[str, bool]:
-        """-> (text to send now, whether a stop string was reached); the request's `last` token
+    def push(self, token: int, last: bool = False) -> tuple[str, str | None]:
+        """-> (text to send now, the stop string reached or None); the request's `last` token
         sends all that is left."""
         if self.decoder is None:
-            return "", False
+            return "", None
         text = self.held + self.decoder.push(token, last)
-        cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        cuts = [(i, s) for s in self.stop if (i := text.find(s)) >= 0]
         if cuts:
-            return text[: min(cuts)], True
+            cut, stop = min(cuts, key=lambda c: c[0])  # the first to begin (of two there, the first listed)
+            return text[:cut], stop
         if last:
             self.held = ""
-            return text, False
+            return text, None
         # no longer than the text: a request's stop string can be megabytes, and this runs per token
         held = max((k for s in self.stop for k in range(1, min(len(s), len(text) + 1)) if text.endswith(s[:k])),
                    default=0)
         self.held = text[len(text) - held :]
-        return text[: len(text) - held], False
+        return text[: len(text) - held], None
 
 
 def _read_json(path: Path) -> dict:

@@ -253,6 +253,17 @@ def test_bench_latency_times_the_middle_decode_steps(monkeypatch, capsys, flags)
     assert "Decode.  median latency" in capsys.readouterr().out
 
 
+def test_bench_latency_refuses_a_request_past_the_context_before_building_the_engine(monkeypatch, capsys):
+    """--input-len 100000 on smollm2-135m (a context of 8192) sized a 4 GiB KV cache, then refused."""
+    from nano import bench_latency
+
+    monkeypatch.setattr(bench_latency, "build_engine", lambda *a, **k: pytest.fail("built an engine first"))
+    with pytest.raises(SystemExit) as exited:
+        bench_latency.main(["--device", "cpu", "--threads", "1", "--input-len", "100000"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == "error: 100000 + 8 tokens per request do not fit: the context holds 8192 tokens\n"
+
+
 def test_bench_latency_floor_from_a_given_bandwidth_on_cpu(capsys):
     """--peak-bandwidth needs no GPU: the floor is the bytes over the bandwidth given."""
     from nano import bench_latency
@@ -352,8 +363,11 @@ def test_ctrl_c_exits_130_without_traceback(smollm2_dir, when):
     else:
         while "prompt tokens" not in proc.stderr.readline():  # the engine is up and decoding
             assert proc.poll() is None, proc.stderr.read()
+        streamed = proc.stdout.read(1)  # the answer has begun
     proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=60)
+    stdout, stderr = proc.communicate(timeout=60)
+    if when == "generating":  # the cut line ends, else the shell's next prompt lands on it
+        assert (streamed + stdout).endswith("\n") and len(streamed + stdout) > 1, streamed + stdout
     # CPython remembers a KeyboardInterrupt that lands inside eval() (collections.namedtuple calls it
     # while torch imports) and, though `cli` catches it, ends the process by SIGINT on the way out
     # instead of exit(130). A shell reports both as status 130; an uncaught one would print a traceback.

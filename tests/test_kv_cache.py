@@ -61,6 +61,22 @@ def test_stop_ids_end_requests_on_their_own(tmp_path):
     assert engine.generate(prompts, SamplingParams(max_new_tokens=10), stop_ids=iter([stop])) == stopped  # read once
 
 
+def test_ignore_eos_drops_the_eos_ids_alone(tmp_path):
+    """ignore_eos runs past the model's EOS ids, but the caller's own stop ids still end a request
+    (vLLM's ignore_eos and stop_token_ids)."""
+    save_tiny_llama(tmp_path, "mha")
+    prompts = random_prompts([4, 9, 14], LLAMA_TINY["vocab_size"], seed=2)
+    engine = Engine(tmp_path, EngineConfig(max_total_tokens=200, log=False))
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    free_run = engine.generate(prompts, params)
+    eos, stop = free_run[0][1], free_run[1][3]
+    assert eos != stop
+    engine.cfg.eos_token_ids = [eos]  # the model's EOS, as its config.json names it
+    stopped = engine.generate(prompts, params, stop_ids={eos, stop})
+    assert stopped == [ref[: ref.index(stop) + 1] if stop in ref else ref for ref in free_run]
+    assert stopped[0] != free_run[0][:2] and stopped[1] == free_run[1][:4]
+
+
 def test_seeded_sampling_does_not_depend_on_the_batch(tmp_path):
     save_tiny_llama(tmp_path, "gqa")
     prompts = random_prompts([6, 13, 2], LLAMA_TINY["vocab_size"], seed=3)
@@ -148,11 +164,13 @@ def test_generate_refuses_a_call_it_cannot_run_whole(tmp_path):
     # the Python API's graphs (cli.py never asks for them there): torch's AssertionError on CPU, a TypeError in capture
     (dict(cuda_graph=True), "cuda-graph needs a cuda device and the triton backend"),
     (dict(cuda_graph=True, device="cuda", attention_backend="torch"), "cuda-graph needs a cuda device and the triton"),
+    (dict(device="meta"), "device must be cpu, cuda or cuda:N, got 'meta'"),  # a KeyError or torch's traceback
+    (dict(device="gpu"), "device must be cpu, cuda or cuda:N, got 'gpu'"),
 ])
 def test_a_setting_it_cannot_honour_is_refused_not_replaced(tmp_path, setting, message):
     """A misspelt attention backend ran the torch one, a misspelt load format loaded the checkpoint:
-    silently not what was asked for (vLLM refuses both). A dtype by name, a pool of 64.5 tokens failed
-    inside torch, a NaN context as a model needing "nan GiB"."""
+    silently not what was asked for (vLLM refuses both). A dtype by name, a pool of 64.5 tokens, a device
+    nano has no kernels for failed inside torch, a NaN context as a model needing "nan GiB"."""
     save_tiny_llama(tmp_path, "gqa")
     with pytest.raises(ValueError) as refused:
         Engine(tmp_path, EngineConfig(**{"max_total_tokens": 64, "log": False} | setting))

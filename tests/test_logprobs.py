@@ -48,3 +48,24 @@ def test_logprobs_match_hf(tmp_path, chunk, overlap):
                 assert [t for t, _ in top] == ids.tolist()
                 torch.testing.assert_close(torch.tensor([v for _, v in top]), values, atol=1e-4, rtol=0)
     assert not any(engine.logprobs[r].tokens for r in engine.logprobs)
+
+
+def test_generate_checks_each_prompt_once_and_keeps_no_logprobs(tmp_path, monkeypatch):
+    """generate gives back the tokens alone: the logprobs its requests computed stayed in engine.logprobs,
+    where nobody takes them, for the engine's life; and every prompt was checked twice."""
+    from nano import engine as engine_module
+
+    save_tiny_llama(tmp_path, "gqa")
+    engine = Engine(tmp_path, EngineConfig(max_total_tokens=400, chunked_prefill_size=8, log=False))
+    prompts = random_prompts([12, 30, 5], LLAMA_TINY["vocab_size"], seed=4)
+    params = [SamplingParams(max_new_tokens=6, logprobs=2, prompt_logprobs=True),
+              SamplingParams(max_new_tokens=4, logprobs=0, temperature=0.7, seed=3), SamplingParams(max_new_tokens=5)]
+    checked = []
+    monkeypatch.setattr(engine_module, "check_request", lambda *args: checked.append(args[0]))
+    outputs = engine.generate(prompts, params)
+    assert [len(o) for o in outputs] == [6, 4, 5] and checked == prompts
+    assert engine.logprobs == {}
+    later = engine.add_request(prompts[0], params[0])  # a request of the caller's own keeps them until taken
+    for _ in engine.stream():
+        pass
+    assert len(engine.logprobs[later.rid].tokens) == 6 and len(engine.logprobs[later.rid].prompt) == 11

@@ -87,8 +87,10 @@ def test_a_retracted_request_that_asks_for_its_prompts_logprobs_finds_its_prompt
         """-> (the engine's stats, the outputs, each request's prompt logprobs)."""
         engine = Engine(tmp_path, EngineConfig(max_total_tokens=pool, chunked_prefill_size=16, log=False))
         params = SamplingParams(max_new_tokens=80, ignore_eos=True, logprobs=0, prompt_logprobs=prompt_logprobs)
-        outputs = engine.generate(prompts, params)
-        return engine.stats, outputs, [engine.logprobs[rid].prompt for rid in sorted(engine.logprobs)]
+        reqs = [engine.add_request(p, params) for p in prompts]  # (generate gives back the tokens alone)
+        for _ in engine.stream():
+            pass
+        return engine.stats, [r.output_ids for r in reqs], [engine.logprobs[r.rid].prompt for r in reqs]
 
     roomy, asks, plain = run(2000, True), run(320, True), run(320, False)
     assert asks[1] == plain[1] == roomy[1] and roomy[0]["retractions"] == 0

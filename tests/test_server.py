@@ -219,9 +219,10 @@ def test_off_values_of_missing_features_are_accepted(server):
                                                        "top_logprobs": 0, **off})
     assert got == 200, reply
     for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": messages})):
-        for options in ({"include_usage": True, "continuous_usage_stats": False}, {"continuous_usage_stats": None}):
+        for options in ({"include_usage": True, "continuous_usage_stats": False}, {"continuous_usage_stats": None},
+                        {"include_usage": None}):  # null: the default (no usage), as OpenAI's and vLLM's schemas
             events = asyncio.run(read_stream_once(server, path, {**body, "max_tokens": 2, "stream_options": options}))
-            assert events[-1] == "[DONE]" and ("usage" in events[-2]) == options.get("include_usage", False)
+            assert events[-1] == "[DONE]" and ("usage" in events[-2]) == bool(options.get("include_usage")), events
 
 
 def test_echo_gives_the_prompt_back_as_sent(server):
@@ -278,7 +279,9 @@ def test_stop_string_cuts_where_it_begins(server, path, stream):
         choice = reply["choices"][0]
         return choice["text"] if "text" in choice else choice["message"]["content"]
 
-    full = text_of(call(server, path, body)[1])
+    unstopped = call(server, path, body)[1]
+    full = text_of(unstopped)
+    assert unstopped["choices"][0]["finish_reason"] == "length" and unstopped["choices"][0]["stop_reason"] is None
     stop = full[len(full) // 2 : len(full) // 2 + 4]  # a stop string the model is sure to write
     assert len(full) > 8 and len(stop.strip()) > 0
     body["stop"] = ["never written", stop]
@@ -287,11 +290,14 @@ def test_stop_string_cuts_where_it_begins(server, path, stream):
         chunks = events[:-1]
         text = "".join(c["choices"][0].get("text") or c["choices"][0].get("delta", {}).get("content", "") for c in chunks)
         reason = chunks[-1]["choices"][0]["finish_reason"]
+        stop_reasons = [c["choices"][0]["stop_reason"] for c in chunks]  # vLLM's: the stop string, on the last
+        assert stop_reasons[:-1] == [None] * (len(chunks) - 1)
     else:
         reply = call(server, path, body)[1]
         text, reason = text_of(reply), reply["choices"][0]["finish_reason"]
+        stop_reasons = [reply["choices"][0]["stop_reason"]]
         assert reply["usage"]["completion_tokens"] < 24
-    assert text == full[: full.index(stop)] and reason == "stop"
+    assert text == full[: full.index(stop)] and reason == "stop" and stop_reasons[-1] == stop
     wait_until_idle(server)
 
 
@@ -760,6 +766,14 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(server, path):
     sender.join()
     assert done["status"] == (200 if path == "/tokenize" else 400)  # too long for the context
     assert max(waits) < done["took"] / 4, (max(waits), done["took"])
+
+
+def test_tokenize_takes_an_empty_prompt(server, tiny_model):
+    """vLLM's /tokenize: "" is no tokens, or BOS alone where the tokenizer adds one (a completion refuses it)."""
+    bos = Tokenizer(tiny_model).encode_prompt("", use_chat_template=False)
+    for prompt, add_special_tokens, want in (("", True, bos), ("", False, []), ([], True, [])):
+        status, reply = call(server, "/tokenize", {"prompt": prompt, "add_special_tokens": add_special_tokens})
+        assert status == 200 and reply["tokens"] == want and reply["count"] == len(want), reply
 
 
 def test_detokenize_gives_back_what_tokenize_took(server):

@@ -163,7 +163,7 @@ def test_a_long_stop_string_costs_little_per_token(tokenizer):
         if i == len(ids) - 2:
             assert time.perf_counter() - started < 1, "the stop string's length costs time per token"
     assert "".join(sent) == answer[:-6]  # held back: the stop string may be starting
-    assert detokenizer.push(tokenizer.eos_token_ids[0], last=True) == (answer[-6:], False)
+    assert detokenizer.push(tokenizer.eos_token_ids[0], last=True) == (answer[-6:], None)
 
 
 def test_token_texts_join_up_to_the_text(tmp_path):
