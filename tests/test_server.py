@@ -175,6 +175,9 @@ BAD_INPUTS = [  # (path, body or raw bytes, status, param)
     ("/v1/completions", {"prompt": ["hi", [1, 2]]}, 400, "prompt"),
     ("/v1/completions", {"prompt": ["hi", ""]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [5]}, 400, "stop_token_ids"),  # vLLM's, not its default
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": False}, 400,
+     "add_generation_prompt"),
     ("/v1/completions", {"prompt": "hi", "temperature": float("inf")}, 400, "temperature"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens"),  # past the context
     ("/v1/completions", {"prompt": TOO_LONG, "max_tokens": 4}, 400, None),  # the prompt alone is too long
@@ -210,7 +213,10 @@ def test_off_values_of_missing_features_are_accepted(server):
     """Some clients send these with every request; in their off values they ask for nothing."""
     off = {"frequency_penalty": 0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "best_of": 1, "top_k": -1,
            "min_p": 0, "logit_bias": {}, "tools": [], "tool_choice": "none", "response_format": {"type": "text"},
-           "store": False, "metadata": {}, "user": "someone", "suffix": None, "skip_special_tokens": True}
+           "store": False, "metadata": {}, "user": "someone", "suffix": None, "skip_special_tokens": True,
+           # vLLM's fields in vLLM's defaults, as its clients may send them: a 400 before
+           "spaces_between_special_tokens": True, "stop_token_ids": [], "include_stop_str_in_output": False,
+           "add_generation_prompt": True, "continue_final_message": False}
     got, reply = call(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "echo": False, "logprobs": None, **off})
     assert got == 200 and reply["usage"]["completion_tokens"] == 2, reply
     messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "name": "ann", "content": "hi"},
