@@ -138,7 +138,7 @@ class Engine:
             self._build(model_dir)
         except BaseException:  # on rank 0 alone (its GPU short of memory, say): the workers wait in a collective
             if self.tp is not None and self.tp.rank == 0 and all(w.is_alive() for w in self.tp.workers):
-                self.tp.abandon()  # it will never reach; a worker that failed itself is the watcher's to report
+                self.tp.abandon(leave=True)  # it will never reach; a worker that failed itself is the watcher's
             raise
         self.stats = dict(prefill_s=0.0, prefill_steps=0, prefill_tokens=0, cached_tokens=0, decode_s=0.0,
                           decode_steps=0, decode_tokens=0, retractions=0, recomputed_tokens=0)

@@ -130,10 +130,15 @@ class TensorParallel:
             torch.cuda.set_device(device)  # Triton launches and graph capture use the current device
         if rank == 0:  # from before the rendezvous, which waits 30 minutes for a worker that died before it joined
             threading.Thread(target=self._exit_if_a_worker_dies, daemon=True).start()
-        dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                rank=rank, world_size=size, device_id=device if on_gpu else None)
-        self.group = dist.group.WORLD
-        self.all_reduce(torch.zeros(1, device=device))  # connect now, not inside a graph capture
+        try:
+            dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                    rank=rank, world_size=size, device_id=device if on_gpu else None)
+            self.group = dist.group.WORLD
+            self.all_reduce(torch.zeros(1, device=device))  # connect now, not inside a graph capture
+        except BaseException:  # Ctrl-C, say: the workers, which wait for rank 0, would be reported as dead
+            if rank == 0:
+                self.abandon()
+            raise
         if rank == 0:
             atexit.register(self.close)
 
@@ -216,11 +221,14 @@ class TensorParallel:
         self.abandon()
         os._exit(1)
 
-    def abandon(self):
-        """Rank 0: kill the workers, which wait in a collective this rank will never reach."""
+    def abandon(self, leave: bool = False):
+        """Rank 0: kill the workers, which wait in a collective this rank will never reach; leave: also the
+        process group, which would otherwise refuse the next engine this process builds."""
         self.closed = True  # the watcher below would report the workers killed here as workers that died
         for worker in self.workers:
             worker.kill()
+        if leave:
+            dist.destroy_process_group()
 
     def _exit_if_a_worker_dies(self):
         """A rank that died leaves the others waiting in a collective forever: end rank 0 too."""
@@ -245,6 +253,8 @@ def launch(cfg: ModelConfig, size: int, device: torch.device, worker) -> TensorP
     """Rank 0: start ranks 1..size-1, each running `worker(rank, port, pipe)` (engine.py's
     `run_tp_worker`: it builds the same engine and follows), and join them."""
     shard_config(cfg, size)  # a model that cannot be split fails here, before any process starts
+    if dist.is_initialized():  # torch's one default group: a second would fail, its workers left waiting
+        raise ConfigError("a tensor-parallel engine already runs in this process: close() it first")
     if device.type == "cuda" and torch.cuda.device_count() < size:
         raise ConfigError(f"tensor parallelism over {size} GPUs, but {torch.cuda.device_count()} are visible")
     with socket.socket() as s:  # a free port for the process group's rendezvous
@@ -253,21 +263,34 @@ def launch(cfg: ModelConfig, size: int, device: torch.device, worker) -> TensorP
     context = torch.multiprocessing.get_context("spawn")
     pipes, workers = [], []
     stays = callable(signal.getsignal(signal.SIGTERM))  # rank 0 outlives SIGTERM: see _run_worker
+    # Ctrl-C while a worker imported torch was its traceback: it starts deaf to it (SIG_IGN is inherited), then
+    # hears it as rank 0 does (_run_worker). (signal() works in the main thread only.)
+    hears = (signal.getsignal(signal.SIGINT) is signal.default_int_handler
+             and threading.current_thread() is threading.main_thread())
+    if hears:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     for rank in range(1, size):
         receiver, sender = context.Pipe(duplex=False)
-        process = context.Process(target=_run_worker, args=(stays, worker, rank, port, receiver), daemon=True)
+        process = context.Process(target=_run_worker, args=(stays, hears, worker, rank, port, receiver), daemon=True)
         process.start()
         receiver.close()
         pipes.append(sender)
         workers.append(process)
+    if hears:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     return TensorParallel(0, size, port, rank_device(device, 0), pipes, workers)
 
 
-def _run_worker(outlives_sigterm: bool, worker, *args):
+def _run_worker(outlives_sigterm: bool, hears_ctrl_c: bool, worker, *args):
     """A worker outlives SIGTERM where rank 0 does: the server's engine process lets its requests finish first
-    (engine_process.py), and a service manager's SIGTERM reaches every process of the service."""
+    (engine_process.py), and a service manager's SIGTERM reaches every process of the service. It never outlives
+    rank 0 (killed, or ended by os._exit, which stops no child): it would wait in the rendezvous for 30 minutes."""
     if outlives_sigterm:
         signal.signal(signal.SIGTERM, lambda *_: None)
+    if hears_ctrl_c:  # (past the imports: run_tp_worker ends quietly on it)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    parent = multiprocessing.parent_process()
+    threading.Thread(target=lambda: (parent.join(), os._exit(1)), daemon=True).start()
     tqdm.set_lock(threading.RLock())  # tqdm's own is a multiprocessing lock, which a worker rank 0 kills leaves behind
     worker(*args)
 

@@ -7,6 +7,7 @@ within 1e-4 (the row-parallel all-reduce adds the partial sums in another order,
 On two GPUs (skipped elsewhere) the ranks talk over NCCL, and greedy tokens with CUDA graphs, which
 capture the all-reduce, must equal eager decoding of the same batches."""
 
+import contextlib
 import gc
 import os
 import signal
@@ -326,6 +327,30 @@ engine.generate([[5, 6, 7]] * 8, SamplingParams(max_new_tokens=3000, ignore_eos=
     assert not _running_after(worker, 10)
 
 
+def test_ctrl_c_while_a_worker_starts_is_quiet(tmp_path):
+    """Ctrl-C while a worker still imports torch (the first seconds of a start): it printed a KeyboardInterrupt
+    traceback and died of the signal, and rank 0 reported it as a worker that stopped, with status 1, not 130."""
+    code = _rank_0_script(tmp_path, """
+import nano.tp
+real = nano.tp.TensorParallel
+def joining(*args):
+    print("worker", args[5][0].pid, flush=True)
+    return real(*args)
+nano.tp.TensorParallel = joining
+ne.Engine(path, ne.EngineConfig(tp_size=2, max_total_tokens=64, log=False))
+""")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    worker = int(proc.stdout.readline().split()[1])
+    while b"spawn_main" not in open(f"/proc/{worker}/cmdline", "rb").read():  # until it runs Python
+        time.sleep(0.01)
+    time.sleep(0.3)  # importing torch, which takes seconds
+    os.killpg(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in stderr and "error" not in stderr, stderr
+    assert not _running_after(worker, 10)
+
+
 def test_rank_0_failing_alone_at_startup_is_one_line(tmp_path):
     """Rank 0's GPU short of memory while rank 1's has room: rank 1 waits for rank 0 in the KV cache's
     sizing. The command ends with rank 0's one line and status 2, no traceback or warning from rank 1."""
@@ -429,3 +454,55 @@ except RuntimeError as e:
 """)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "refused: the engine is closed" in result.stdout, result.stderr
+
+
+def test_an_engine_built_after_one_that_failed_to_start_runs(tmp_path):
+    """A caller that catches rank 0's failure at start-up (its GPU short of memory) and builds the engine
+    again: the failed engine's process group stayed, and the next engine failed in torch ("trying to
+    initialize the default process group twice", a ValueError) with its new worker left waiting for the
+    rendezvous. A second engine beside a running one is refused in one line, before it starts a worker."""
+    code = _rank_0_script(tmp_path, """
+config, params = ne.EngineConfig(tp_size=2, max_total_tokens=64, log=False), SamplingParams(max_new_tokens=3)
+want = ne.Engine(path, ne.EngineConfig(max_total_tokens=64, log=False)).generate([[5, 6, 7]], params)
+real = ne.ensure_fits
+ne.ensure_fits = lambda *_: (_ for _ in ()).throw(ne.NotEnoughMemoryError("planted: rank 0 has no room"))
+try:
+    ne.Engine(path, config)
+except ne.NotEnoughMemoryError:
+    ne.ensure_fits = real
+engine = ne.Engine(path, config)
+try:
+    ne.Engine(path, config)
+except ne.ConfigError as e:
+    print("refused:", e)
+print("same" if engine.generate([[5, 6, 7]], params) == want else "different")
+engine.close()
+print("left:", len(__import__("multiprocessing").active_children()))
+""")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["refused: a tensor-parallel engine already runs in this process: close() "
+                                          "it first", "same", "left: 0"], result.stdout
+
+
+def test_a_worker_does_not_outlive_rank_0(tmp_path):
+    """Rank 0 gone before the rendezvous (the server's engine process, ended by os._exit when a SIGTERM ends
+    the server while the model loads; or killed): its worker waited for it there for 30 minutes."""
+    code = _rank_0_script(tmp_path, """
+spawned = __import__("multiprocessing").get_context("spawn").Process
+real_start = spawned.start
+def start_and_die(process):
+    real_start(process)
+    print("worker", process.pid, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+spawned.start = start_and_die
+ne.Engine(path, ne.EngineConfig(tp_size=2, max_total_tokens=64, log=False))
+""")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    worker = int(proc.stdout.readline().split()[1])  # (the worker holds the pipe open: no communicate())
+    try:
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+        assert not _running_after(worker, 60), "the worker still waits for rank 0"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, signal.SIGKILL)
