@@ -75,7 +75,7 @@ def make_prompts(args, vocab_size: int) -> list[tuple[str | list[int], int]]:
         prefix = tokens(args.shared_prefix_len)
         return [(prefix + tokens(args.suffix_len), output_len()) for _ in range(args.num_prompts)]
     try:
-        with open(args.dataset) as f:
+        with open(args.dataset, encoding="utf-8-sig") as f:  # UTF-8 whatever the locale; a BOM is no JSON
             rows = [json.loads(line) for line in f if line.strip()]
         rows = [(row["prompt"], row.get("output_len", args.random_output_len)) for row in rows]
     except (OSError, ValueError, KeyError, TypeError) as e:  # TypeError: a line that is no JSON object

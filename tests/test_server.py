@@ -10,6 +10,8 @@ import os
 import queue
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -642,6 +644,24 @@ def test_bench_serving_bad_dataset_is_one_line(server, tmp_path, dataset, fragme
     result = run_cli("--base-url", server, "--api-key", API_KEY, "--dataset", str(tmp_path / dataset),
                      module="nano.bench_serving")
     assert_one_line_error(result, fragment)
+
+
+def test_bench_serving_dataset_is_utf8_whatever_the_locale(tmp_path):
+    """A JSONL dataset is UTF-8 (a BOM, as Windows tools write it, is not JSON), as generate's
+    prompt file is: under LC_ALL=C without UTF-8 mode, open()'s locale default read it as ASCII."""
+    rng = random.Random(3)
+    rows = [("".join(rng.choices("aéß€中😀 ", k=rng.randint(1, 30))), rng.randint(1, 9)) for _ in range(5)]
+    path = tmp_path / "prompts.jsonl"
+    lines = "".join(json.dumps({"prompt": p, "output_len": n}, ensure_ascii=False) + "\n" for p, n in rows)
+    path.write_bytes(b"\xef\xbb\xbf" + lines.encode())  # UTF-8 with a BOM, as Notepad or PowerShell write it
+    code = ("import argparse, json; from nano.bench_serving import make_prompts; "
+            f"args = argparse.Namespace(dataset={str(path)!r}, seed=1, num_prompts=5, random_output_len=128, "
+            "unknown_output_len=False); print(json.dumps(make_prompts(args, 100)))")
+    env = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                            cwd=Path(__file__).resolve().parent.parent)
+    assert result.returncode == 0, result.stderr
+    assert [tuple(row) for row in json.loads(result.stdout)] == rows
 
 
 def test_bench_serving_text_prompts_of_unknown_output_length_are_one_line(server, tmp_path):
