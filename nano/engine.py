@@ -33,6 +33,7 @@ chunks go out at once.
 overlap, those of the pass before the one it launched.
 """
 
+import itertools
 import os
 import sys
 import time
@@ -146,7 +147,7 @@ class Engine:
         self.scheduler = Scheduler(self.req_to_token_pool, self.slots, self.prefix_cache, config.max_prefill_tokens,
                                    chunk, self.stats)
         self.in_flight: DecodePass | None = None  # the last decode pass, not yet booked
-        self.next_rid = 0
+        self.rids = itertools.count()  # request ids
         self.logprobs: dict[int, Logprobs] = {}  # by request id, for requests that ask, until the caller takes them
 
     def _build(self, model_dir):
@@ -171,7 +172,8 @@ class Engine:
         else:
             self.attn = TorchAttnBackend(self.kv_pool, req_to_token)
         max_bs = min(config.cuda_graph_max_bs or config.max_running_requests, config.max_running_requests)
-        self.graph_runner = CudaGraphRunner(self.model, self.attn, max_bs, self.device, self.log) if config.cuda_graph else None
+        self.graph_runner = (CudaGraphRunner(self.model, self.attn, max_bs, self.device, self.log) if config.cuda_graph
+                             else None)
 
     def _load_model(self, model_dir, shard_cfg):
         """Check that the weights, the request table and a KV cache of the size asked for (or, failing
@@ -191,9 +193,8 @@ class Engine:
             "request table": config.max_running_requests * self.context_length * 4,
         })
         started = time.perf_counter()
-        tp_rank = self.tp.rank if self.tp else 0
         self.model = load_model(cfg, Path(model_dir), self.device, self.dtype, config.load_format, self.use_mla,
-                                config.dummy_weight_seed, tp_rank, config.tp_size)
+                                config.dummy_weight_seed, self.tp.rank if self.tp else 0, config.tp_size)
         if self.tp is not None:
             parallelize(self.model, self.tp)
         whole = build_model(cfg, self.use_mla, "meta", self.dtype) if self.tp else self.model  # not one rank's part
@@ -230,10 +231,8 @@ class Engine:
         # never generate past the context (a copy: the caller's params may serve other requests)
         params = replace(params, max_new_tokens=min(params.max_new_tokens, self.context_length - len(prompt_ids)))
         eos = set(self.cfg.eos_token_ids if params.ignore_eos else ())  # the caller's other stop ids still stop it
-        req = Request(self.next_rid, list(prompt_ids), params, set(stop_ids) - eos,
-                      generator=None if params.seed is None else torch.Generator(self.device).manual_seed(params.seed))
-        self.next_rid += 1
-        return req
+        return Request(next(self.rids), list(prompt_ids), params, set(stop_ids) - eos,
+                       generator=None if params.seed is None else torch.Generator(self.device).manual_seed(params.seed))
 
     def abort(self, req: Request):
         """Drop a request between steps, whatever its state, and give back all it holds."""
@@ -260,9 +259,8 @@ class Engine:
     def _prefill(self, chunks: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
         reqs, lens = [r for r, _ in chunks], [n for _, n in chunks]
         slots = self.scheduler.alloc_slots(sum(lens))
-        req_to_token = self.req_to_token_pool.req_to_token
         for req, n, req_slots in zip(reqs, lens, slots.split(lens)):
-            req_to_token[req.row, req.prefilled : req.prefilled + n] = req_slots
+            self.req_to_token_pool.req_to_token[req.row, req.prefilled : req.prefilled + n] = req_slots
         batch = ForwardBatch.extend([t for r, n in chunks for t in r.fill_ids[r.prefilled : r.prefilled + n]],
                                     [r.prefilled for r in reqs], lens, [r.row for r in reqs], slots, self.device)
         logit_rows, ends = self._logit_rows(chunks)

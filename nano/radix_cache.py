@@ -33,11 +33,10 @@ from nano.kv_cache import SlotAllocator
 
 
 class Node:
-    def __init__(self, key: list[int], slots: torch.Tensor, parent: "Node | None"):
+    def __init__(self, key: list[int], slots: torch.Tensor, parent: "Node | None", last_used: int = 0):
         self.key, self.slots, self.parent = key, slots, parent
         self.children: dict[int, Node] = {}  # by first token id
-        self.lock_count = 0
-        self.last_used = 0
+        self.lock_count, self.last_used = 0, last_used
 
 
 class RadixCache:
@@ -69,8 +68,7 @@ class RadixCache:
             i += len(node.key)
         end = path[-1] if path else self.root
         if i < len(tokens):
-            end = Node(tokens[i:], slots[i:], end)
-            end.last_used = self.clock
+            end = Node(tokens[i:], slots[i:], end, self.clock)
             end.parent.children[tokens[i]] = end
             self.size += len(end.key)
         if duplicates:
@@ -95,8 +93,8 @@ class RadixCache:
     def _split(self, node: Node, n: int) -> Node:
         """Cut node after its first n tokens; -> the new upper part (the lower keeps the object,
         so a request holding it as its match still ends at the same token)."""
-        upper = Node(node.key[:n], node.slots[:n], node.parent)
-        upper.lock_count, upper.last_used = node.lock_count, node.last_used
+        upper = Node(node.key[:n], node.slots[:n], node.parent, node.last_used)
+        upper.lock_count = node.lock_count
         upper.children[node.key[n]] = node
         node.parent.children[node.key[0]] = upper
         node.key, node.slots, node.parent = node.key[n:], node.slots[n:], upper

@@ -53,10 +53,9 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top-p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.top_k < 2**63:  # top-k and the seed go into int64 tensors
-            raise ValueError(f"top-k must be in [0, 2^63), got {self.top_k}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be in [0, 2^63), got {self.seed}")
+        for name, value in (("top-k", self.top_k), ("seed", self.seed)):  # they go into int64 tensors
+            if value is not None and not 0 <= value < 2**63:
+                raise ValueError(f"{name} must be in [0, 2^63), got {value}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.prompt_logprobs and self.logprobs is None:
