@@ -228,8 +228,7 @@ def _parse_deepseek(raw: dict, cfg: ModelConfig, need, source: str) -> None:
     if moe and not 1 <= cfg.num_experts_per_tok <= cfg.n_routed_experts:
         raise ConfigError(f"{source}: num_experts_per_tok ({raw.get('num_experts_per_tok')}) must be "
                           f"from 1 to n_routed_experts ({cfg.n_routed_experts})")
-    scoring = raw.get("scoring_func", "softmax")
-    topk_method = raw.get("topk_method", "greedy")
+    scoring, topk_method = raw.get("scoring_func", "softmax"), raw.get("topk_method", "greedy")
     if scoring != "softmax" or topk_method != "greedy":
         raise ConfigError(f"unsupported DeepSeek router (scoring_func={scoring!r}, topk_method={topk_method!r}); "
                           "nano has softmax scoring with greedy top-k (DeepSeek-V2-Lite)")

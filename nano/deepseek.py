@@ -78,11 +78,10 @@ class MLAttention(nn.Module):
             self.scale *= yarn_mscale(cfg.rope_scaling["factor"], mscale_all_dim) ** 2
 
     def forward(self, x, batch: ForwardBatch, attn):
-        num_tokens = x.shape[0]
         q, kv = self.fused_a_proj(x).split([self.query_width, self.latent_dim + self.rope_dim], dim=-1)
         if self.q_lora:
             q = self.q_b_proj(self.q_a_layernorm(q))
-        q = q.view(num_tokens, self.num_heads, self.nope_dim + self.rope_dim)  # [T, H, 192]
+        q = q.unflatten(-1, (self.num_heads, -1))  # [T, H, 192]
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)  # [T, H, 128], [T, H, 64]
         # kv [T, 576] becomes the row the cache stores, [c | k_pe], in place: the norm turns the
         # latent into c and leaves the rope key alone, rope rotates k_pe (and q_pe). The norm runs
@@ -95,7 +94,7 @@ class MLAttention(nn.Module):
         else:
             self.rotary(batch.positions, q_pe, k_pe, norm=latent_norm)
             out = self._attend_expanded(q_nope, q_pe, latent, k_pe, batch, attn)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
+        return self.o_proj(out.flatten(1))
 
     def _attend_absorbed(self, q_nope, q_pe, k_pe, key, latent_norm, batch, attn):
         # Per-head views of kv_b_proj (no copies), taken afresh each call so they follow the
@@ -115,8 +114,7 @@ class MLAttention(nn.Module):
         return attn.forward(query, key, value, self.layer_id, batch, self.scale, v_proj=w_uv)  # [T, H, 128]
 
     def _attend_expanded(self, q_nope, q_pe, c, k_pe, batch, attn):
-        num_tokens = c.shape[0]
-        kv = self.kv_b_proj(c).view(num_tokens, self.num_heads, self.nope_dim + self.v_dim)
+        kv = self.kv_b_proj(c).view(len(c), self.num_heads, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [T, H, 128] each
         query = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, 192]
         key = torch.cat([k_nope, k_pe.expand(-1, self.num_heads, -1)], dim=-1)  # [T, H, 192]

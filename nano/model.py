@@ -51,7 +51,7 @@ class Linear(nn.Module):
         self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else output_sizes
         self.stacked, self.split_k = stacked, split_k
         self.weight = nn.Parameter(torch.empty(sum(self.output_sizes), in_features, dtype=dtype), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(sum(self.output_sizes), dtype=dtype), requires_grad=False) if bias else None
+        self.bias = nn.Parameter(torch.empty(len(self.weight), dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x):
         return ops.linear(x, self.weight, self.bias, self.split_k)
@@ -88,7 +88,7 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
         super().__init__()
         self.layer_id, self.rotary = layer_id, rotary
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.head_dim = cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size], stacked=("q_proj", "k_proj", "v_proj"),
                                bias=cfg.qkv_bias)
@@ -99,17 +99,14 @@ class LlamaAttention(nn.Module):
         self.scale = cfg.head_dim**-0.5
 
     def forward(self, x, batch: ForwardBatch, attn):
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in qkv)  # views: [T, H, D], [T, Hkv, D], [T, Hkv, D]
         if self.q_norm is not None:  # on [T*H, D] rows, the norm kernel's shape (reshape copies the strided views)
             q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
         self.rotary(batch.positions, q, k)  # in place
         out = attn.forward(q, k, v, self.layer_id, batch, self.scale)  # [T, H, D]
-        return self.o_proj(out.view(num_tokens, -1))
+        return self.o_proj(out.flatten(1))
 
 
 class DecoderLayer(nn.Module):
@@ -167,11 +164,10 @@ class CausalLM(nn.Module):
         if self.lm_head is not None:
             layout["lm_head.weight"] = (self.lm_head.weight, ())
         for name, module in self.named_modules():
-            prefix = "model." + name if name else "model"
             if isinstance(module, Linear) and module is not self.lm_head:
-                layout.update(_stacked_layout(prefix, module))
+                layout.update(_stacked_layout(f"model.{name}", module))
             elif isinstance(module, RMSNorm):
-                layout[prefix + ".weight"] = (module.weight, ())
+                layout[f"model.{name}.weight"] = (module.weight, ())
         return layout
 
     def prepare_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:

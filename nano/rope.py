@@ -40,11 +40,8 @@ def rope_frequencies(rot_dim: int, theta: float, scaling: dict | None) -> tuple[
         wavelen = 2 * math.pi / inv_freq
         smooth = (original_ctx / wavelen - low) / (high - low)
         blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-        inv_freq = torch.where(
-            wavelen < original_ctx / high,
-            inv_freq,
-            torch.where(wavelen > original_ctx / low, inv_freq / factor, blended),
-        )
+        inv_freq = torch.where(wavelen < original_ctx / high, inv_freq,
+                               torch.where(wavelen > original_ctx / low, inv_freq / factor, blended))
         return inv_freq.float(), 1.0
     # yarn
     beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1

@@ -33,18 +33,15 @@ class TorchAttnBackend:
         [H, P, v_dim] (MLA's W_UV), each head's output times its own matrix -> [T, H, P]."""
         self.kv_pool.store(layer_id, batch.out_cache_loc, k, v)
         k_cache, v_cache = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
-        num_heads, v_dim = q.shape[1], v_cache.shape[-1]
-        out = q.new_empty(q.shape[0], num_heads, v_dim)
+        group = q.shape[1] // k_cache.shape[1]  # query heads per KV head
+        out = q.new_empty(*q.shape[:2], v_cache.shape[-1])
         rows = batch.req_pool_indices.tolist()
         extend_lens = [1] * len(rows) if batch.is_decode else batch.extend_lens_cpu  # each request's new tokens
         starts = accumulate(extend_lens, initial=0)  # where they begin in q
         for row, seq_len, n, start in zip(rows, batch.seq_lens_cpu, extend_lens, starts):
             slots = self.req_to_token[row, :seq_len].long()
-            keys = k_cache[slots].float()  # [S, Hkv, k_dim]
-            values = v_cache[slots].float()  # [S, Hkv, v_dim]
-            group = num_heads // keys.shape[1]
-            keys = keys.repeat_interleave(group, dim=1)
-            values = values.repeat_interleave(group, dim=1)
+            keys = k_cache[slots].float().repeat_interleave(group, dim=1)  # [S, H, k_dim]
+            values = v_cache[slots].float().repeat_interleave(group, dim=1)  # [S, H, v_dim]
             queries = q[start : start + n].float()  # [n, H, k_dim]
             scores = torch.einsum("nhd,shd->hns", queries, keys) * scale  # [H, n, S]
             # query i (position seq_len - n + i) may see keys at positions <= its own
