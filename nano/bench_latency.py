@@ -2,11 +2,11 @@
 
     python -m nano.bench_latency --model llama-3-8b --batch-size 1 8 32 --input-len 128 --output-len 8
 
-For each batch size it runs `batch_size` requests of `input_len` random tokens through one
-prefill and `output_len - 1` decode steps (after a warm-up round that compiles kernels), and prints
-the prefill latency and the median decode-step latency, each with its throughput. `--model` takes a model folder or the name of a shape shipped in nano/configs,
-which runs with random weights (no download); without it, the shape that suits the device:
-llama-3-8b on a GPU, smollm2-135m on CPU.
+For each batch size it runs `batch_size` requests of `input_len` random tokens through one prefill
+and `output_len - 1` decode steps (after a warm-up round that compiles kernels), and prints the
+prefill latency and the median decode-step latency, each with its throughput. `--model` takes a
+model folder or the name of a shape shipped in nano/configs, which runs with random weights (no
+download); without it, the shape that suits the device: llama-3-8b on a GPU, smollm2-135m on CPU.
 
 Decode at small batch is memory-bound: each step must read every weight once (for a
 mixture-of-experts model, only the experts the batch routes to) and each request's KV cache.
@@ -22,8 +22,7 @@ import math
 import statistics
 import time
 
-from nano.cli import (SHAPES, ArgumentParser, UsageError, add_engine_args, build_engine, cli, parse_device,
-                      resolve_model_or_shape)
+from nano.cli import SHAPES, ArgumentParser, UsageError, add_engine_args, build_engine, cli, resolve_model_or_shape
 from nano.config import load_config
 
 EXAMPLES = """examples:
@@ -109,12 +108,11 @@ def run(args):
     import torch
 
     if min(args.batch_size) < 1 or args.input_len < 1 or args.output_len < 3:
-        raise UsageError("--batch-size and --input-len must be >= 1, --output-len >= 3 (the first and last decode steps are not timed)")
+        raise UsageError("--batch-size and --input-len must be >= 1, --output-len >= 3 (the first and last decode "
+                         "steps are not timed)")
     if args.peak_bandwidth is not None and not 0 < args.peak_bandwidth < math.inf:
         raise UsageError(f"--peak-bandwidth must be a positive number of GB/s, got {args.peak_bandwidth}")
-    if args.model is None:
-        args.model = "llama-3-8b" if parse_device(args.device).type == "cuda" else "smollm2-135m"
-    model_dir = resolve_model_or_shape(args)
+    model_dir = resolve_model_or_shape(args, default_shape=True)
     per_request, max_bs = args.input_len + args.output_len, max(args.batch_size)
     # longer than the model's context: refused before the weights load and a KV cache of that size fills memory
     if per_request > (context := args.context_length or load_config(model_dir).max_position_embeddings):
@@ -124,16 +122,15 @@ def run(args):
     if args.cuda_graph_max_bs is not None:
         args.cuda_graph_max_bs = max(args.cuda_graph_max_bs, max_bs)
     if args.max_total_tokens is None:
-        args.max_total_tokens = max_bs * (args.input_len + args.output_len) + 1
+        args.max_total_tokens = max_bs * per_request + 1
     # the whole batch in the one prefill step this reports, every prompt token computed (the batch
     # sizes' prompts come from the same seeds: a prefix cache would find them)
     engine = build_engine(args, model_dir, max_prefill_tokens=max_bs * args.input_len, chunked_prefill_size=0,
                           radix_cache=False)
-    # every request runs its whole length, and the whole batch at once: else the timings are of something else
-    pool = engine.kv_pool.capacity
-    if per_request > engine.context_length or max_bs * per_request > pool:
+    # the whole batch at once (each request's length is checked above): else the timings are of something else
+    if max_bs * per_request > engine.kv_pool.capacity:
         raise UsageError(f"batch {max_bs} of {args.input_len} + {args.output_len} tokens does not fit: the context "
-                         f"holds {engine.context_length} tokens, the KV cache {pool}")
+                         f"holds {engine.context_length} tokens, the KV cache {engine.kv_pool.capacity}")
     graphs = "on" if engine.graph_runner is not None else "off"
     ranks = f" (rank 0 of {engine.tp.size})" if engine.tp else ""
     print(f"{args.model}: {engine.cfg.architecture}, {engine.dtype}, {engine.device}{ranks}, CUDA graphs {graphs}, "

@@ -19,8 +19,7 @@ torch is imported inside the functions, not at the top: see cli.py.
 
 import time
 
-from nano.cli import (ArgumentParser, UsageError, add_engine_args, build_engine, cli, parse_device,
-                      resolve_model_or_shape)
+from nano.cli import ArgumentParser, UsageError, add_engine_args, build_engine, cli, resolve_model_or_shape
 
 
 def random_requests(num: int, input_range: tuple[int, int], output_range: tuple[int, int], vocab: int,
@@ -93,9 +92,7 @@ def run(args):
     for flag, (low, high) in [("--input-len", args.input_len), ("--output-len", args.output_len)]:
         if not 1 <= low <= high:
             raise UsageError(f"{flag} {low} {high}: need 1 <= MIN <= MAX")
-    if args.model is None:  # as bench_latency's: an 8B model in float32 would not fit a CPU host's memory
-        args.model = "llama-3-8b" if parse_device(args.device).type == "cuda" else "smollm2-135m"
-    engine = build_engine(args, model_dir := resolve_model_or_shape(args))
+    engine = build_engine(args, model_dir := resolve_model_or_shape(args, default_shape=True))
     longest = args.input_len[1] + args.output_len[1]
     if longest > engine.context_length:  # else the engine cuts requests short, and the count is of fewer tokens
         raise UsageError(f"the longest request, {args.input_len[1]} + {args.output_len[1]} tokens, does not fit "
@@ -103,8 +100,7 @@ def run(args):
     requests = random_requests(args.num_prompts, args.input_len, args.output_len, engine.cfg.vocab_size, args.seed)
     shortest = (args.input_len[0],) * 2, (min(args.output_len[0], 8),) * 2  # a warm-up that fits where they do
     run_nano(engine, random_requests(4, *shortest, engine.cfg.vocab_size, args.seed + 1))
-    for key in engine.stats:
-        engine.stats[key] = 0
+    engine.stats.update(dict.fromkeys(engine.stats, 0))  # in place: the scheduler counts into it too
     tokens, seconds = run_nano(engine, requests)
     s = engine.stats
     print(f"nano: {len(requests)} requests, {sum(len(r) for r, _ in requests)} input tokens, {tokens} output tokens "

@@ -49,8 +49,7 @@ def add_engine_args(p: argparse.ArgumentParser):
     from nano.engine import CHUNK_SIZES, CPU_THREADS
     from nano.engine import EngineConfig as default
 
-    has_cuda = torch.cuda.is_available()
-    p.add_argument("--device", default="cuda" if has_cuda else "cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--load-format", choices=["safetensors", "dummy"], help="dummy: random weights in the real shapes "
                    "(gibberish, for timing); default: dummy for a shipped shape, else safetensors")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
@@ -103,9 +102,13 @@ def resolve_model(name: str | None) -> Path:
     return Path(os.path.abspath(path))
 
 
-def resolve_model_or_shape(args) -> Path:
+def resolve_model_or_shape(args, default_shape: bool = False) -> Path:
     """--model for commands that also take a shipped shape (the benchmarks, the server): a shape's
-    config folder, with dummy weights unless --load-format says otherwise, or a model folder."""
+    config folder, with dummy weights unless --load-format says otherwise, or a model folder.
+    default_shape (the benchmarks): no --model is the shape that suits the device, not an 8B model
+    in float32, which would not fit a CPU host's memory."""
+    if default_shape and args.model is None:
+        args.model = "llama-3-8b" if parse_device(args.device).type == "cuda" else "smollm2-135m"
     shape = shipped_shape(args.model)
     args.load_format = args.load_format or ("dummy" if shape else "safetensors")
     return shape or resolve_model(args.model)

@@ -80,8 +80,8 @@ def linear_silu_and_mul(x, gate_up_weight):
 @_triton_on_cuda()
 def apply_rope_(q, k, cos_sin, positions, q_out=None, norm=None):
     """Rotate q [T, H, d] and k [T, Hkv, d] in place by their tokens' positions [T] (rope.py); q
-    into q_out instead when given. norm (x, weight, eps): also rms_norm x's rows in place (one
-    launch for both on the GPU)."""
+    into q_out instead when given. norm (x [T, width], weight [width], eps): also rms_norm x's rows
+    in place (one launch for both on the GPU)."""
     cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, d/2] each
     for x, out in ((q, q if q_out is None else q_out), (k, k)):
         x1, x2 = x.float().chunk(2, dim=-1)

@@ -127,9 +127,8 @@ def _store_normed(x, weight, hidden, eps, out_ptrs, in_row):
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual [T, hidden] -> (rms_norm(x + residual) * weight, x + residual), in x's dtype; x
-    may be a split-K linear's partial products [S, T, hidden] (linear), whose sum is added.
-
-    With residual None (the first layer: nothing to add yet) -> (rms_norm(x) * weight, x)."""
+    may be a split-K linear's partial products [S, T, hidden] (linear), whose sum is added. With
+    residual None (the first layer: nothing to add yet) -> (rms_norm(x) * weight, x)."""
     parts = x.unsqueeze(0) if x.dim() == 2 else x  # [S, T, hidden]
     num_parts, num_tokens, hidden = parts.shape
     assert x.stride(-1) == 1 and weight.shape == (hidden,) and weight.is_contiguous()
@@ -199,11 +198,9 @@ def _rope_kernel(q_ptr, q_out_ptr, k_ptr, cos_sin_ptr, positions_ptr, norm_ptr, 
 
 def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor,
                 q_out: torch.Tensor | None = None, norm: tuple | None = None):
-    """Rotate q [T, H, d] and k [T, Hkv, d] in place by their tokens' positions [T] (rope.py's
-    rotate-halves convention); q into q_out instead when given. cos_sin [max_positions, d] float32
-    is RotaryEmbedding.cos_sin. All may be strided views (last dimension contiguous), e.g. slices
-    of a fused qkv output. norm (x [T, width], weight [width], eps): an RMSNorm of x's rows, in
-    place, in the same launch (a third program a token)."""
+    """ops.apply_rope_ (rope.py's rotate-halves convention), the norm in a third program a token:
+    cos_sin [max_positions, d] float32 is RotaryEmbedding.cos_sin. All may be strided views (last
+    dimension contiguous), e.g. slices of a fused qkv output."""
     num_tokens, num_q_heads, rot_dim = q.shape
     q_out = q if q_out is None else q_out
     assert k.shape[0] == positions.shape[0] == num_tokens and k.shape[2] == rot_dim == cos_sin.shape[1]
