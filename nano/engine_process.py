@@ -32,8 +32,7 @@ from nano.sampling import SamplingParams
 
 
 class APIError(Exception):
-    """An error as the client gets it, in OpenAI's error JSON (the engine loop sends one to a
-    request it refuses, 400, and to each request of a step that failed, 500)."""
+    """An error as the client gets it, in OpenAI's error JSON (a refused request's 400, a failed step's 500)."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(status, message, param, code)  # the arguments again: how an exception is pickled

@@ -218,13 +218,10 @@ async def _pieces(stream: Stream, event, detokenizer: Detokenizer, client: Engin
         text, stopped = detokenizer.push(event.id, last=event.finish_reason is not None)
         if stopped:
             client.abort(stream)
-            event.stop_reason = stopped
-            yield text, event, "stop"
-            return
+            event.stop_reason, event.finish_reason = stopped, "stop"
+        yield text, event, event.finish_reason
         if event.finish_reason:
-            yield text, event, event.finish_reason
             return
-        yield text, event, None
         event = await stream.events.get()
 
 

@@ -195,8 +195,7 @@ class StreamDecoder:
                 break
             start -= 1
         self._ids = list(prompt_ids[start:])
-        self._prefix_offset = 0
-        self._read_offset = len(self._ids)
+        self._prefix_offset, self._read_offset = 0, len(self._ids)
 
     def push(self, token_id: int, last: bool = False) -> str:
         """Add one token; return the text it completes ("" while a character is still unfinished).
@@ -207,8 +206,7 @@ class StreamDecoder:
         text = self._tokenizer.decode(self._ids[self._prefix_offset :])
         if not last and (len(text) <= len(printed) or text.endswith(REPLACEMENT_CHAR)):
             return ""
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         return text[len(printed) :]
 
 
@@ -232,7 +230,6 @@ class Detokenizer:
             cut, stop = min(cuts, key=lambda c: c[0])  # the first to begin (of two there, the first listed)
             return text[:cut], stop
         if last:
-            self.held = ""
             return text, None
         # no longer than the text: a request's stop string can be megabytes, and this runs per token
         held = max((k for s in self.stop for k in range(1, min(len(s), len(text) + 1)) if text.endswith(s[:k])),
