@@ -29,7 +29,7 @@ def kernel_table(prof, title, steps):
 
 def main():
     args = build_parser().parse_args(sys.argv[1:])
-    engine = build_engine(args, resolve_model_or_shape(args))
+    engine = build_engine(args, resolve_model_or_shape(args, default_shape=True))  # as bench_throughput
     cfg = engine.cfg
     flops_per_token = 2 * sum(p.numel() for n, p in engine.model.named_parameters() if "embed" not in n
                               and "lm_head" not in n)

@@ -5,7 +5,11 @@ still fits the code."""
 
 import ast
 import importlib.util
+import random
+import sys
 from pathlib import Path
+
+import pytest
 
 MODULES = {path.stem: ast.parse(path.read_text()) for path in (Path(__file__).parent.parent / "nano").glob("*.py")}
 
@@ -93,14 +97,47 @@ def test_every_kernel_waits_for_its_inputs_before_touching_them():
     assert len(launches) == len(kernels) and all("launch_pdl=PDL" in launch for launch in launches)
 
 
+def _script(name: str):
+    """scripts/NAME.py, imported (scripts/ is no package)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent.parent / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_planted_bugs_never_runs_pytest_on_no_tests(monkeypatch, tmp_path):
+    """pytest given no test ids runs the whole suite: a filter that names no bug (a typo, --help) must
+    stop with the list of names, and one whose bugs all need a GPU, on a machine without one, skip them."""
+    planted_bugs = _script("planted_bugs")
+    ran = []
+    monkeypatch.setattr(planted_bugs, "pytest_exit_code", lambda repo, tests: ran.append(tests) or 0)
+    monkeypatch.setattr(planted_bugs, "scratch_copy", lambda into: tmp_path)
+    monkeypatch.setattr(planted_bugs.torch.cuda, "is_available", lambda: False)
+    gpu_bug = random.choice([b for b in planted_bugs.BUGS if b.needs_cuda])
+    for argv, status in ((["--help"], "no bug's name contains '--help'"), ([gpu_bug.name], 0)):
+        monkeypatch.setattr(sys, "argv", ["planted_bugs.py", *argv])
+        with pytest.raises(SystemExit) as exit_:
+            planted_bugs.main()
+        assert str(exit_.value.code).startswith(str(status)) and [] not in ran
+
+
+def test_profile_throughput_defaults_to_bench_throughputs_model(monkeypatch):
+    """Without --model it profiles the shape bench_throughput times (smollm2-135m on CPU, llama-3-8b on
+    a GPU), with dummy weights, not the downloaded default model."""
+    script, built = _script("profile_throughput"), []
+    monkeypatch.setattr(script, "build_engine", lambda args, model_dir: built.append((model_dir, args)) or 1 / 0)
+    monkeypatch.setattr(sys, "argv", ["profile_throughput.py", "--device", "cpu"])
+    with pytest.raises(ZeroDivisionError):
+        script.main()
+    assert built[0][0].name == "smollm2-135m" and built[0][1].load_format == "dummy"
+
+
 def test_planted_bugs_still_apply():
     """scripts/planted_bugs.py plants each bug by one text substitution and names the tests that must
     catch it. Code that moves leaves its substitution matching nothing, and the script stops at that
     bug after minutes of tests; here it shows in CI instead."""
     root = Path(__file__).parent.parent
-    spec = importlib.util.spec_from_file_location("planted_bugs", root / "scripts" / "planted_bugs.py")
-    planted_bugs = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(planted_bugs)
+    planted_bugs = _script("planted_bugs")
     assert len(planted_bugs.BUGS) >= 35
     for bug in planted_bugs.BUGS:
         planted_bugs.planted(bug, root)  # the script's own check: sys.exit, so a failure here, if it no longer applies
