@@ -4,8 +4,8 @@ Every request carries its own settings, so one batch may mix greedy and sampled 
 - temperature 0 is greedy (argmax); otherwise logits are divided by the temperature,
 - top-k keeps the k most likely tokens (and those tied with the k-th), then top-p the smallest set
   of those whose probability, renormalised over them, reaches p,
-- a request with a seed draws from its own random generator, so its output does not depend on
-  which other requests happen to share its batch.
+- a request with a seed draws from its own random generator, so its draws do not depend on which
+  other requests happen to share its batch (its logits may, by float rounding: a near-tie can flip).
 Log-probabilities, for a request that asks (`logprobs`: how many likeliest alternatives to list,
 at most 20), are those of the model's own distribution: log_softmax of the raw logits, before
 temperature, top-k and top-p, as OpenAI and vLLM report them. Only the rows that ask compute them.
