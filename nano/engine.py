@@ -244,8 +244,7 @@ class Engine:
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[tuple[Request, int]]:
-        started = time.perf_counter()
-        events = []
+        started, events = time.perf_counter(), []
         if self.in_flight and self.scheduler.wants_prefill():  # admission needs the running set settled
             events = self._book(self.in_flight)  # (whenever a prompt waits, even one with no room yet)
         chunks = self.scheduler.schedule_prefill()
@@ -418,10 +417,12 @@ class Engine:
         stop_ids = set(stop_ids)  # an iterator would reach the first prompt alone
         # all checked before any is queued: a bad one must not leave the others to run with the next call
         self.scheduler.waiting.extend(reqs := [self._request(p, sp, stop_ids) for p, sp in zip(prompts, params)])
-        for _ in self.stream():
-            pass
-        for req in reqs:  # the tokens alone go back: logprobs they asked for would stay here for ever
-            self.logprobs.pop(req.rid, None)
+        try:
+            for _ in self.stream():
+                pass
+        finally:  # the tokens alone go back (logprobs they asked for would stay here for ever); after a step
+            for req in reqs:  # that raised, or Ctrl-C, none is left holding room, to run (or spin) with the next call
+                self.abort(req)
         return [r.output_ids for r in reqs]
 
     def close(self):

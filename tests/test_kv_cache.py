@@ -154,6 +154,32 @@ def test_generate_refuses_a_call_it_cannot_run_whole(tmp_path):
     assert engine.stats["prefill_tokens"] == sum(map(len, prompts))  # those prompts alone were ever computed
 
 
+
+@pytest.mark.parametrize("failing_pass", [1, 3])  # the prefill; the decode pass launched while one is in flight
+def test_generate_that_raises_leaves_nothing_to_the_next_call(tmp_path, failing_pass):
+    """A step that raises (or Ctrl-C) inside generate: its requests leave with it, rows, slots and logprobs
+    given back, not left to run (or, holding a pass that never ran, to spin for ever) in the next call."""
+    save_tiny_llama(tmp_path, "gqa")
+    prompts = random_prompts([5, 9, 3], LLAMA_TINY["vocab_size"], seed=3)
+    engine = Engine(tmp_path, EngineConfig(max_total_tokens=200, max_running_requests=4, log=False))
+    real_model, passes = engine.model, []
+
+    def model(batch, attn):
+        passes.append(batch)
+        if len(passes) == failing_pass:
+            raise KeyboardInterrupt
+        return real_model(batch, attn)
+
+    engine.model = model
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=1.0, seed=5, logprobs=2)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(prompts, params)
+    assert not (engine.scheduler.waiting or engine.scheduler.running or engine.logprobs)  # a pass in flight may stay
+    assert len(engine.req_to_token_pool.free_rows) == 4
+    assert engine.slots.available + engine.prefix_cache.evictable_size == 200 and engine.prefix_cache.locked_size == 0
+    alone = Engine(tmp_path, EngineConfig(max_total_tokens=200, log=False))
+    assert engine.generate(prompts[:2], params) == alone.generate(prompts[:2], params)
+
 @pytest.mark.parametrize("setting, message", [
     (dict(attention_backend="Triton"), "attention-backend must be one of ('torch', 'triton'), got 'Triton'"),
     (dict(load_format="dummmy"), "load-format must be one of ('safetensors', 'dummy'), got 'dummmy'"),
