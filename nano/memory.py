@@ -78,7 +78,9 @@ def ensure_fits(device: torch.device, dtype: torch.dtype, needed: dict[str, int]
         return
     parts = " + ".join(f"{nbytes / 2**30:.1f} GiB {name}" for name, nbytes in needed.items() if nbytes >= 2**30 / 20)
     where = "the host (or its container's limit) has" if device.type == "cpu" else f"{device} has"
-    ways = ["--dtype bfloat16"] if dtype.itemsize > 2 else []
+    # a KV cache larger than the rest was asked for (the sizes nano picks fit): shrinking it is the first way out
+    ways = ["a smaller KV cache (--max-total-tokens)"] if max(needed, key=needed.get) == "KV cache" else []
+    ways += ["--dtype bfloat16"] if dtype.itemsize > 2 else []
     ways += ["a GPU" if device.type == "cpu" else "a larger GPU", "a smaller model"]
     raise NotEnoughMemoryError(f"the model needs {total / 2**30:.1f} GiB ({parts}) but {where} "
                                f"{free / 2**30:.1f} GiB free: try {', '.join(ways[:-1])} or {ways[-1]}")

@@ -110,6 +110,19 @@ def test_the_cpu_fit_check_counts_the_kv_cache_the_cpu_builds(monkeypatch):
         Engine("nano/configs/llama-3.1-8b", config)
 
 
+def test_a_kv_cache_too_large_for_memory_names_the_flag_that_asked_for_it(monkeypatch):
+    """SmolLM2's weights (0.5 GiB) fit a host with 2 GiB free; the 4.3 GiB of KV cache that
+    --max-total-tokens asks for do not, and making it smaller is the way out (not a smaller model)."""
+    from nano import memory
+    from nano.cli import SHIPPED_CONFIGS
+    from nano.memory import NotEnoughMemoryError
+
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 2 * 2**30)
+    config = EngineConfig(device="cpu", load_format="dummy", max_total_tokens=100_000, log=False)
+    with pytest.raises(NotEnoughMemoryError, match=r"4.3 GiB KV cache.*try a smaller KV cache \(--max-total-tokens\), "):
+        Engine(SHIPPED_CONFIGS / "smollm2-135m", config)
+
+
 @pytest.mark.parametrize("version", ["v1", "v2"])
 def test_cpu_free_memory_is_a_containers_limit_not_the_hosts(tmp_path, monkeypatch, version):
     """In a container of 1 GiB on a host of 22, /proc/meminfo says 22: a pool sized from that, or
