@@ -169,8 +169,8 @@ def _refuse_unsupported(raw: dict, arch: str, cfg: ModelConfig, source: str) -> 
     reads_mlp_bias = arch in ("LlamaForCausalLM", "DeepseekV2ForCausalLM")
     if (reads_attention_bias and raw.get("attention_bias")) or (reads_mlp_bias and raw.get("mlp_bias")):
         raise ConfigError(f"{source}: attention_bias and mlp_bias are not supported (nano has q/k/v biases, as Qwen2)")
-    if cfg.head_dim % 2 and not cfg.is_deepseek:  # rope turns channel pairs (transformers refuses it too); else
-        raise ConfigError(f"{source}: head_dim {cfg.head_dim} is odd: rope needs pairs of channels")  # a crash in rope
+    if cfg.head_dim % 2 and not cfg.is_deepseek:  # else a crash in rope at the first request (transformers refuses it)
+        raise ConfigError(f"{source}: head_dim {cfg.head_dim} is odd: rope needs pairs of channels")
     if cfg.num_heads % cfg.num_kv_heads:  # else it loads, then the first request crashes in attention
         raise ConfigError(f"{source}: num_attention_heads ({cfg.num_heads}) is not a multiple of "
                           f"num_key_value_heads ({cfg.num_kv_heads})")
