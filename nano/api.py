@@ -38,7 +38,8 @@ OFF_VALUES = {"frequency_penalty": (0,), "presence_penalty": (0,), "repetition_p
               "metadata": ({},), "response_format": ({"type": "text"},), "service_tier": ("auto", "default"),
               # vLLM's own fields, in their defaults (nano's text always leaves special tokens out)
               "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "stop_token_ids": ([],),
-              "include_stop_str_in_output": (False,), "add_generation_prompt": (True,), "continue_final_message": (False,)}
+              "include_stop_str_in_output": (False,), "add_generation_prompt": (True,),
+              "continue_final_message": (False,)}
 
 StopString = Annotated[str, Field(min_length=1)]
 
