@@ -159,9 +159,10 @@ class TensorParallel:
 
     def send_batch(self, batch: ForwardBatch, req_to_token: torch.Tensor):
         """Rank 0: hand a forward pass to the workers (see the lesson for the two parts)."""
-        values = {f.name: getattr(batch, f.name) for f in fields(batch)}
-        tensors = {name: value for name, value in values.items() if isinstance(value, torch.Tensor)}
-        host = {name: value for name, value in values.items() if name not in tensors}
+        host, tensors = {}, {}
+        for f in fields(batch):
+            value = getattr(batch, f.name)
+            (tensors if isinstance(value, torch.Tensor) else host)[f.name] = value
         if not batch.is_decode:  # the requests' rows of req_to_token, with any prefix slots rank 0 put there
             tensors["req_to_token_rows"] = req_to_token[batch.req_pool_indices, : max(batch.seq_lens_cpu)]
         # widest elements first: every tensor then starts at a multiple of its element size
