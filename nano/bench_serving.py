@@ -252,7 +252,7 @@ async def benchmark(args):
         args.context = card["max_model_len"] if args.unknown_output_len else None
         # one request first, untimed: the first prefill and decode may compile kernels
         print(f"model {card['id']}: one warm-up request, then {len(prompts)} timed ...", file=sys.stderr)
-        warmup = await send(session, args.base_url, card["id"], *prompts[0])
+        warmup = await send(session, args.base_url, card["id"], *prompts[0], args.context)  # shaped as the rest
         if not warmup.ok:
             raise UsageError(f"the warm-up request failed: {warmup.error}")
         peak = {"running": 0}

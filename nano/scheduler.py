@@ -263,16 +263,15 @@ class Scheduler:
         self.stats["retractions"] += 1
 
     # ---- leaving ------------------------------------------------------------------------------
-    def finish(self, req: Request):
-        """A request leaves, whatever its state (EOS, a stop id, its budget, or an abort; also one
-        caught in a step that raised), and gives back all it holds."""
-        if req.finished:
-            return
-        if req in self.waiting:
-            self.waiting.remove(req)
-        if req.row >= 0:
-            self._release(req)
-        req.status = Status.FINISHED
+    def finish(self, *reqs: Request):
+        """Requests leave, whatever their state (EOS, a stop id, the budget, or an abort; also those
+        of a step that raised), and give back all they hold."""
+        for req in reqs:
+            if req in self.waiting:
+                self.waiting.remove(req)
+            if req.row >= 0:
+                self._release(req)
+            req.status = Status.FINISHED
 
     def _release(self, req: Request):
         """Take an admitted request out of the batch and give back what it holds: its K/V into the

@@ -245,8 +245,9 @@ class TensorParallel:
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
-    """One GPU per rank: rank r runs on cuda:r (CUDA_VISIBLE_DEVICES picks which GPUs those are)."""
-    return torch.device("cuda", rank) if device.type == "cuda" else device
+    """One GPU per rank: rank r runs on cuda:N+r, from the --device cuda:N asked for (N is 0 for `cuda`, as
+    SGLang's --base-gpu-id; CUDA_VISIBLE_DEVICES picks which GPUs those are)."""
+    return torch.device("cuda", (device.index or 0) + rank) if device.type == "cuda" else device
 
 
 def launch(cfg: ModelConfig, size: int, device: torch.device, worker) -> TensorParallel:
@@ -255,8 +256,9 @@ def launch(cfg: ModelConfig, size: int, device: torch.device, worker) -> TensorP
     shard_config(cfg, size)  # a model that cannot be split fails here, before any process starts
     if dist.is_initialized():  # torch's one default group: a second would fail, its workers left waiting
         raise ConfigError("a tensor-parallel engine already runs in this process: close() it first")
-    if device.type == "cuda" and torch.cuda.device_count() < size:
-        raise ConfigError(f"tensor parallelism over {size} GPUs, but {torch.cuda.device_count()} are visible")
+    if device.type == "cuda" and torch.cuda.device_count() < (device.index or 0) + size:
+        raise ConfigError(f"tensor parallelism over {size} GPUs from {device}, but {torch.cuda.device_count()} "
+                          "are visible")
     with socket.socket() as s:  # a free port for the process group's rendezvous
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

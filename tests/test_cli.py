@@ -300,13 +300,26 @@ def test_help_shows_defaults_and_examples(module):
     (["--max-total-tokens", "200", "--batch-size", "2"], "does not fit"),  # else it times one at a time
     (["--device", "cpu", "--tp-size", "2"], "splits the model over GPUs, and this run has none"),
     (["--device", "cpu", "--threads", "0"], "--threads must be > 0"),
-    (["--device", "cpu", "--threads", "100000"], "--threads 100000: this machine runs"),  # torch crashed on it
+    (["--device", "cpu", "--threads", "100000"], "--threads 100000: this process may run on"),  # torch crashed on it
 ])
 def test_bad_engine_flags(flags, fragment):
     """Flag errors come before any model is loaded (a batch that does not fit the KV cache once it is
     sized); bench_latency reports them as generate does."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     assert_one_line_error(run_cli(*flags, module="nano.bench_latency", env=env), fragment)
+
+
+@pytest.mark.parametrize("affinity, threads", [("lambda pid: {0, 1, 2, 3}", 2), (None, 32)])  # None: macOS's
+def test_cpu_threads_count_the_cpus_this_process_may_use(affinity, threads):
+    """taskset or a container's cpuset leaves the process 4 of the host's 64 cores: torch gets half of
+    those 4 by default, and --threads 8 is refused (on macOS, which has no affinity, the host's count)."""
+    code = (f"import os; os.cpu_count = lambda: 64; os.sched_getaffinity = {affinity}\n"
+            "if os.sched_getaffinity is None: del os.sched_getaffinity\n"
+            "from nano import engine, generate; from nano.cli import engine_config; print(engine.CPU_THREADS)\n"
+            "engine_config(generate.build_parser().parse_args(['--prompt', 'x', '--device', 'cpu', '-t', '8']))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.split() == [str(threads)]
+    assert ("--threads 8: this process may run on 4 CPUs" in result.stderr) == (threads == 2), result.stderr
 
 
 @pytest.mark.parametrize("flags, fragment", [
@@ -481,3 +494,4 @@ def test_bench_throughput_without_a_model_runs_a_shape_that_fits():
                      module="nano.bench_throughput")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("nano: 2 requests")
+    assert "generate_batch: not timed on CPU" in result.stdout  # --peer-prompts (64 by default) is not silently dropped

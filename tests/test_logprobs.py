@@ -69,3 +69,24 @@ def test_generate_checks_each_prompt_once_and_keeps_no_logprobs(tmp_path, monkey
     for _ in engine.stream():
         pass
     assert len(engine.logprobs[later.rid].tokens) == 6 and len(engine.logprobs[later.rid].prompt) == 11
+
+
+@pytest.mark.parametrize("rows", [0, 1, 8, 37])  # none, fewer than a slice, one slice exactly, several and a part
+def test_logprobs_are_computed_a_slice_of_rows_at_a_time(monkeypatch, rows):
+    """A prompt's 8192-row chunk held its float32 logits and their log_softmax whole (4 GiB each over
+    Llama-3's vocabulary): token_logprobs computes LOGPROB_ROWS rows at a time (patched to 8 here), with
+    the numbers of the whole block's log_softmax."""
+    from nano import sampling
+
+    g = torch.Generator().manual_seed(rows)
+    logits = (torch.randn(rows, 50, generator=g) * 4).to(torch.bfloat16)
+    tokens = torch.randint(0, 50, (rows,), generator=g)
+    whole = torch.log_softmax(logits.float(), dim=-1)
+    top = whole.topk(5, dim=-1)
+    sizes, log_softmax = [], torch.log_softmax
+    monkeypatch.setattr(sampling, "LOGPROB_ROWS", 8, raising=False)
+    monkeypatch.setattr(torch, "log_softmax", lambda x, dim: sizes.append(len(x)) or log_softmax(x, dim=dim))
+    chosen, values, ids = sampling.token_logprobs(logits, tokens, 5)
+    assert max(sizes) <= 8 and sum(sizes) == rows
+    assert torch.equal(chosen, whole.gather(-1, tokens[:, None])[:, 0])
+    assert torch.equal(values, top.values) and torch.equal(ids, top.indices)

@@ -150,6 +150,39 @@ def test_a_prefill_that_raises_gives_back_the_slots_it_took(tmp_path, failing_pa
     assert engine.generate([[11, 12, 13]], whole_context) == plain.generate([[11, 12, 13]], whole_context)
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("failing_pass", [1, 2, 4])  # the prefill, the first decode pass, a later one
+def test_a_caller_stepping_on_after_a_pass_raised_sees_its_requests_end(tmp_path, failing_pass, overlap):
+    """A library caller of add_request and step() (no generate, no server to abort for it) that steps on
+    after a step raised: the exception reaches it once, the requests of the failed pass end, having given
+    back every slot and row, and the engine runs out of work. Left half-stepped, a failed decode launch
+    kept its requests waiting for a pass that never came (has_work for ever, each step doing nothing),
+    and a failed prefill kept its request's row with no work left to finish it."""
+    save_tiny_llama(tmp_path, "gqa")
+    engine = Engine(tmp_path, EngineConfig(max_total_tokens=64, overlap=overlap, log=False))
+    real_model, passes = engine.model, {"done": 0}
+
+    def model(batch, attn):
+        passes["done"] += 1
+        if passes["done"] == failing_pass:
+            raise RuntimeError("injected fault")
+        return real_model(batch, attn)
+
+    engine.model = model
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    reqs = [engine.add_request(p, params) for p in random_prompts([5, 7], LLAMA_TINY["vocab_size"], seed=4)]
+    steps, errors = 0, 0
+    while engine.has_work() and steps < 50:
+        steps += 1
+        try:
+            engine.step()
+        except RuntimeError:
+            errors += 1
+    assert errors == 1 and steps < 50 and all(r.finished and len(r.output_ids) < 6 for r in reqs)
+    assert engine.slots.available + engine.prefix_cache.size == 64 and engine.prefix_cache.locked_size == 0
+    assert len(engine.req_to_token_pool.free_rows) == engine.config.max_running_requests
+
+
 @pytest.mark.parametrize("radix_cache", [False, True])
 def test_a_sampler_that_raises_after_a_prefill_gives_back_every_slot(tmp_path, monkeypatch, radix_cache):
     """The pass computed the prompts' K/V, then sampling their first tokens failed: the requests count as

@@ -564,6 +564,26 @@ def test_bench_serving_counts_every_token(server, tmp_path, capsys):
     wait_until_idle(server)  # the hung-up requests were aborted, not left running to the context
 
 
+def test_bench_serving_warms_up_with_a_request_shaped_as_the_timed_ones(server, monkeypatch, capsys):
+    """--unknown-output-len: the warm-up asks for the whole context too (and hangs up), as every timed
+    request does; asking for its exact length instead, it warmed up another path than the one timed."""
+    from nano import bench_serving
+
+    real_send, contexts = bench_serving.send, []
+
+    async def send(session, url, model, prompt, output_len, context=None):
+        contexts.append(context)
+        return await real_send(session, url, model, prompt, output_len, context)
+
+    monkeypatch.setattr(bench_serving, "send", send)
+    bench_serving.main(["--base-url", server, "--api-key", API_KEY, "--num-prompts", "2", "--random-input-len", "8",
+                        "--random-output-len", "3", "--unknown-output-len"])
+    rows = dict(line.split(":", 1) for line in capsys.readouterr().out.splitlines() if ":" in line)
+    assert int(rows["Successful requests"]) == 2 and int(rows["Failed requests"]) == 0
+    assert contexts == [4096] * 3  # the warm-up, then the two timed
+    wait_until_idle(server)
+
+
 def test_stats_line_leaves_out_the_time_the_engine_sat_idle(tmp_path, monkeypatch, capsys):
     """Two bursts of one request, an hour idle between them, one step a second (a fake clock): every
     stats line reads about 1 decode token a second. Counting the idle hour, the line after it read 0.0."""

@@ -94,6 +94,35 @@ def test_dummy_weights_fill_every_parameter(tmp_path, save):
     assert [name for name, param in model.named_parameters() if param.isnan().any()] == []
 
 
+def test_device_cuda_n_puts_the_ranks_on_gpus_n_and_up(monkeypatch):
+    """--device cuda:1 --tp-size 2 runs ranks 0 and 1 on GPUs 1 and 2 (SGLang's --base-gpu-id), not on 0
+    and 1 while the flag names 1; a host without GPU 2 is refused before any worker starts. (No GPU here:
+    the devices are only named, and the device count is patched.)"""
+    from nano.tp import launch, rank_device
+
+    for device, ranks in [("cuda", ["cuda:0", "cuda:1"]), ("cuda:1", ["cuda:1", "cuda:2"]), ("cpu", ["cpu", "cpu"])]:
+        assert [str(rank_device(torch.device(device), rank)) for rank in range(2)] == ranks
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ConfigError, match="over 2 GPUs from cuda:1, but 2 are visible"):
+        launch(load_config(SHIPPED_CONFIGS / "llama-3-8b"), 2, torch.device("cuda:1"), worker=None)
+
+
+def test_one_gpu_engine_makes_its_gpu_the_current_device(tmp_path, monkeypatch):
+    """Triton kernels, CUDA events and graph capture run on torch's current device: an engine on cuda:1
+    sets it, as vLLM's and SGLang's workers do, or its kernels would run on cuda:0 while its tensors sit
+    on cuda:1. (No GPU here: the call is recorded, and stops the build before any CUDA memory is used.)"""
+    class Called(Exception):
+        pass
+
+    def set_device(device):
+        raise Called(str(device))
+
+    save_tiny_llama(tmp_path, "gqa")
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    with pytest.raises(Called, match="^cuda:1$"):
+        Engine(tmp_path, EngineConfig(device="cuda:1", log=False))
+
+
 def test_uneven_splits_are_refused():
     cfg = load_config(SHIPPED_CONFIGS / "llama-3-8b")  # 32 heads, 8 KV heads
     assert (shard_config(cfg, 2).num_heads, shard_config(cfg, 2).num_kv_heads) == (16, 4)
