@@ -147,6 +147,8 @@ def test_cpu_free_memory_is_a_containers_limit_not_the_hosts(tmp_path, monkeypat
         (folder.parent / f"memory.{name}").write_text(f"{value * 2**20}\n")  # the slice that holds the box
     (folder.parent / "memory.stat").write_text("")
     assert free_bytes(torch.device("cpu")) == 100 * 2**20  # a parent's limit binds its children too
+    (folder / ("memory.limit_in_bytes" if v1 else "memory.max")).write_text(f"{2**30}\n")
+    assert free_bytes(torch.device("cpu")) == 100 * 2**20  # of two limits, the tighter (the box's leaves 724 MiB)
 
 
 def test_generate_refuses_a_call_it_cannot_run_whole(tmp_path):

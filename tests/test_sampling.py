@@ -35,6 +35,17 @@ def test_frequencies_follow_the_softmax_and_top_p_mass():
     assert abs(counts[0] / 4000 - 0.625) < 0.03
 
 
+def test_frequencies_follow_the_softmax_of_the_logits_over_the_temperature():
+    """Temperature T samples from softmax(logits / T): below 1 sharper, above 1 flatter (each row its own)."""
+    torch.manual_seed(2)
+    logits = torch.randn(3, 5) * 1.5
+    temperatures = [0.5, 2.0, 1.3]
+    tokens = draw(logits, [SamplingParams(temperature=t) for t in temperatures], 4000)
+    for row, t in enumerate(temperatures):
+        counts = torch.bincount(tokens[:, row], minlength=5)
+        assert torch.allclose(counts / 4000, torch.softmax(logits[row] / t, dim=-1), atol=0.03), (row, t)
+
+
 def test_settings_below_float32s_range_act_as_their_limit():
     """A temperature or top-p that rounds to 0 in float32 means greedy, not the garbage a division by
     0 (or an empty nucleus) would give: token 0 every time."""
@@ -74,6 +85,21 @@ def test_a_count_that_is_no_integer_is_refused_at_once(field, value):
     every step of the engine raised (its admission estimate rounds it); 2.5 logprobs failed inside a step."""
     with pytest.raises(ValueError, match=f"{field.replace('_', '-')} must be an integer"):
         SamplingParams(**{field: value}).validate()
+
+
+@pytest.mark.parametrize("setting, message", [
+    (dict(temperature=-0.5), "temperature"), (dict(temperature=float("inf")), "temperature"),
+    (dict(temperature=float("nan")), "temperature"), (dict(top_p=0.0), "top-p"), (dict(top_p=1.01), "top-p"),
+    (dict(top_k=-1), "top-k"), (dict(seed=2**63), "seed"), (dict(logprobs=21), "logprobs"),
+    (dict(logprobs=-1), "logprobs"), (dict(prompt_logprobs=True), "prompt-logprobs"),
+    (dict(max_new_tokens=0), "max-new")])
+def test_a_setting_out_of_its_range_is_refused_at_once(setting, message):
+    """Each setting's range (validate's rules, OpenAI's and vLLM's): one line naming the setting,
+    while the same setting at its limit passes."""
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**setting).validate()
+    SamplingParams(temperature=0.0, top_p=1.0, top_k=0, seed=2**63 - 1, logprobs=20, prompt_logprobs=True,
+                   max_new_tokens=1).validate()
 
 
 def test_top_k_keeps_the_tokens_tied_with_the_kth_as_hf_does():

@@ -2,12 +2,17 @@
 CPU: admission on an estimate lets requests that may run to the whole context share the pool,
 and when the bet is lost, retraction gives room back without changing any request's tokens."""
 
+import math
+import random
+from collections import Counter
+
 import pytest
 import torch
 
 from nano.engine import Engine, EngineConfig
+from nano.kv_cache import ReqToTokenPool, SlotAllocator
 from nano.sampling import SamplingParams
-from nano.scheduler import Status
+from nano.scheduler import Request, Scheduler, Status, check_request
 from tests.helpers import LLAMA_TINY, random_prompts, save_tiny_deepseek, save_tiny_llama
 
 MODELS = {"llama": (save_tiny_llama, "gqa", 256), "deepseek": (save_tiny_deepseek, "lite", 128)}  # save, variant, context
@@ -233,3 +238,121 @@ def test_a_prompt_part_way_through_chunked_prefill_counts_as_running_in_health(t
         seen.append((req.status, state["running"], state["waiting"]))
     assert (Status.PREFILLING, 1, 0) in seen and (Status.RUNNING, 1, 0) in seen
     assert seen[-1] == (Status.FINISHED, 0, 0)
+
+
+# ---- the scheduler's rules on their own, against brute-force models of them (no model runs) ----
+
+def _scheduler(capacity: int, prefill_budget: int = 10**6):
+    """A scheduler over `capacity` slots without a prefix cache (free room is the allocator's)."""
+    return Scheduler(ReqToTokenPool(16, 64, "cpu"), SlotAllocator(capacity, "cpu"), None, prefill_budget, 0, Counter())
+
+
+def _running(sched, rng, prompt_len: int, out_len: int, max_new_tokens: int):
+    """A running request holding the slots of its prompt and its tokens but the last."""
+    tokens = [rng.randrange(320) for _ in range(prompt_len + out_len)]
+    req = Request(rng.randrange(10**6), tokens[:prompt_len], SamplingParams(max_new_tokens=max_new_tokens), set(),
+                  output_ids=tokens[prompt_len:], status=Status.RUNNING, row=sched.req_to_token_pool.alloc(),
+                  prefilled=prompt_len)
+    sched.req_to_token_pool.req_to_token[req.row, : req.kv_len] = sched.slots.alloc(req.kv_len)
+    sched.running.append(req)
+    return req
+
+
+def test_retraction_takes_the_fewest_generated_then_the_longest_prompt():
+    """A decode step short of slots retracts, one at a time, the request with the fewest generated
+    tokens, among those the longest prompt (SGLang's rule), until the rest each get a slot."""
+    for trial in range(30):
+        rng = random.Random(trial)
+        n = rng.randint(2, 7)
+        sizes = [(rng.randint(1, 20), rng.randint(1, 4)) for _ in range(n)]
+        held = sum(p + o - 1 for p, o in sizes)
+        sched = _scheduler(held + rng.randint(1, n - 1))
+        reqs = [_running(sched, rng, p, o, 50) for p, o in sizes]
+        left, room, retracted = list(reqs), sched.slots.available, []
+        while room < len(left):  # the rule, by brute force
+            victim = min(left, key=lambda r: (len(r.output_ids), -len(r.prompt_ids)))
+            left.remove(victim)
+            retracted.append(victim)
+            room += victim.kv_len
+        assert sched.schedule_decode() == left and sched.running == left, trial
+        assert list(sched.waiting) == retracted[::-1] and all(r.status is Status.RETRACTED for r in retracted)
+        assert sched.slots.available == room
+
+
+def test_admission_counts_the_estimate_of_every_running_request():
+    """A waiting request is admitted when the free room holds its prompt plus new_token_ratio x
+    min(remaining, 4096) for it and for each running request (the module lesson's rule)."""
+    admitted = set()
+    for trial in range(40):
+        rng = random.Random(trial)
+        ratio = rng.uniform(0.1, 1.0)
+        budgets = [rng.choice([rng.randint(2, 300), rng.randint(4097, 9000)]) for _ in range(rng.randint(0, 3))]
+        prompt_len, max_new = rng.randint(1, 30), rng.choice([rng.randint(1, 300), rng.randint(4097, 9000)])
+        need = sum(math.ceil(ratio * min(b - 1, 4096)) for b in budgets)
+        need += prompt_len + math.ceil(ratio * min(max_new, 4096))
+        held = 3 * len(budgets)
+        fits = rng.choice([True, False])
+        sched = _scheduler(held + need - (0 if fits else 1))
+        for b in budgets:
+            _running(sched, rng, 3, 1, b)
+        sched.new_token_ratio = ratio
+        prompt = [rng.randrange(320) for _ in range(prompt_len)]
+        req = Request(trial, prompt, SamplingParams(max_new_tokens=max_new), set())
+        sched.waiting.append(req)
+        chunks = sched.schedule_prefill()
+        assert chunks == ([(req, prompt_len)] if fits else []), trial
+        assert req.status is (Status.PREFILLING if fits else Status.WAITING)
+        admitted.add(fits)
+    assert admitted == {True, False}
+
+
+def test_a_pass_in_flight_that_uses_up_a_budget_keeps_its_request_out_of_the_next():
+    """With passes in flight (overlap), a request whose remaining budget they use up gets no further
+    decode pass: its token would be past its budget."""
+    rng = random.Random(0)
+    sched = _scheduler(400)
+    reqs = [_running(sched, rng, rng.randint(1, 9), rng.randint(1, 3), rng.randint(4, 7)) for _ in range(12)]
+    for req in reqs:
+        req.in_flight = rng.randint(0, 2)
+        req.output_ids += [1] * max(0, req.params.max_new_tokens - len(req.output_ids) - rng.randint(1, 3))
+    expected = [r for r in reqs if r.remaining - r.in_flight >= 1]
+    assert 0 < len(expected) < len(reqs) and sched.schedule_decode() == expected
+
+
+def test_a_request_finished_while_waiting_is_never_admitted():
+    """An abort reaches a request still in the queue: it leaves the queue and holds nothing."""
+    sched = _scheduler(100)
+    reqs = [Request(i, [7, i + 1, 9], SamplingParams(max_new_tokens=4), set()) for i in range(3)]
+    sched.waiting.extend(reqs)
+    sched.finish(reqs[1])
+    assert [r for r, _ in sched.schedule_prefill()] == [reqs[0], reqs[2]] and reqs[1].status is Status.FINISHED
+
+
+def test_the_ratio_decays_per_decode_step_to_its_floor_and_backs_off_on_a_retraction():
+    """The module lesson's numbers: the ratio starts at 0.7, loses 0.001 a decode step down to 0.1,
+    and a retraction adds 0.3 (at most 1.0)."""
+    rng = random.Random(5)
+    sched = _scheduler(2000)
+    req = _running(sched, rng, 5, 1, 10**4)
+    assert sched.new_token_ratio == 0.7
+    for _ in range(300):
+        sched.schedule_decode()
+    assert sched.new_token_ratio == pytest.approx(0.4)
+    for _ in range(400):
+        sched.schedule_decode()
+    assert sched.new_token_ratio == pytest.approx(0.1)
+    sched.retract(req)
+    assert sched.new_token_ratio == pytest.approx(0.4)
+    for _ in range(3):
+        sched.new_token_ratio = rng.uniform(0.75, 1.0)
+        sched.retract(_running(sched, rng, 5, 1, 10**4))
+        assert sched.new_token_ratio == 1.0
+
+
+def test_a_prompt_that_fills_the_context_is_refused():
+    """The context holds the prompt and at least one new token: a prompt of context_length tokens
+    leaves none (ValueError), one token shorter runs."""
+    prompt = random_prompts([64], LLAMA_TINY["vocab_size"], seed=9)[0]
+    with pytest.raises(ValueError, match="the context holds 64"):
+        check_request(prompt, SamplingParams(), LLAMA_TINY["vocab_size"], 64)
+    check_request(prompt[:-1], SamplingParams(), LLAMA_TINY["vocab_size"], 64)
