@@ -17,7 +17,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from nano.api import ChatMessage
-from nano.tokenizer import Tokenizer
+from nano.tokenizer import Tokenizer, TokenizerError
 
 DATA = Path(__file__).parent / "data"
 QWEN25_TEMPLATE = DATA / "qwen2.5-instruct.chat_template.jinja"
@@ -146,3 +146,39 @@ def test_a_template_gets_every_special_token_by_name_as_hf(smollm2_dir, tmp_path
                                                                            add_generation_prompt=True)
     assert Tokenizer(tmp_path).apply_chat_template(messages) == expected
     assert expected.endswith(f"{eot}{pad}|{unk}||")
+
+
+def test_a_template_refusing_messages_names_its_reason_as_hf(smollm2_dir, tmp_path):
+    """raise_exception's message reaches the client, as HF's apply_chat_template raises it."""
+    shutil.copy(smollm2_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    config = json.loads((smollm2_dir / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": TOOL_RESULT_TEMPLATE}))
+    call_id = "".join(random.Random(1).choices("abcdefghijklmnopqrstuvwxyz0123456789", k=8))  # not 9: refused
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "tool", "content": "{\"temp\": 21}", "tool_call_id": call_id}]
+    with pytest.raises(Exception) as hf_error:
+        AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(messages, tokenize=False)
+    with pytest.raises(TokenizerError, match="refused these messages") as error:
+        Tokenizer(tmp_path).apply_chat_template(messages)
+    assert str(hf_error.value) == "Tool call IDs should be alphanumeric strings with length 9!"
+    assert str(hf_error.value) in str(error.value)
+
+
+def test_a_developer_message_is_system_unless_the_template_knows_developer(smollm2_dir, tmp_path):
+    """OpenAI's `developer` role is its newer name for `system`: a template without it (SmolLM2's)
+    renders it as HF renders a system message; one that knows it gets it as sent."""
+    rng = random.Random(0)
+    text = " ".join(rng.choices(["Be", "brief", "terse", "kind", "exact"], k=6))
+    sent = [ChatMessage.model_validate({"role": "developer", "content": text}), ChatMessage(role="user", content="hi")]
+    as_system = [{"role": "system", "content": text}, {"role": "user", "content": "hi"}]
+    shutil.copy(smollm2_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    config = json.loads((smollm2_dir / "tokenizer_config.json").read_text())
+    template = ("{% for m in messages %}{% if m['role'] == 'developer' %}DEV {% endif %}"
+                "{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": template}))
+    for folder, expected_messages in ((smollm2_dir, as_system), (tmp_path, [m.model_dump(exclude_none=True) for m in sent])):
+        tokenizer = Tokenizer(folder)
+        expected = AutoTokenizer.from_pretrained(folder).apply_chat_template(
+            expected_messages, tokenize=False, add_generation_prompt=True)
+        assert tokenizer.apply_chat_template([m.as_dict(tokenizer.template_has_developer) for m in sent]) == expected
+    assert expected.startswith(f"DEV developer: {text}\n")

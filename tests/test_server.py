@@ -28,7 +28,7 @@ uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("fastapi")
 
 from nano.engine import Engine, EngineConfig  # noqa: E402
-from nano.api import MAX_BODY_BYTES  # noqa: E402
+from nano.api import MAX_BODY_BYTES, ChatRequest, CompletionRequest  # noqa: E402
 from nano.engine_process import EngineClient, run_engine  # noqa: E402
 from nano.serve import build_app  # noqa: E402
 from nano.tokenizer import Tokenizer  # noqa: E402
@@ -196,6 +196,7 @@ BAD_INPUTS = [  # (path, body or raw bytes, status, param)
     ("/v1/completions", {"prompt": TOO_LONG}, 400, None),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "model": "gpt-4"}, 404, "model"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
@@ -262,6 +263,26 @@ def test_bad_input_gets_an_error_and_the_server_goes_on(server, path, body, stat
     assert error["message"] and "\n" not in error["message"] and "Traceback" not in error["message"]
     got, reply = call(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert got == 200 and reply["usage"]["completion_tokens"] <= 2
+
+
+def test_health_is_200_while_the_engine_lives(server):
+    """A load balancer reads the status alone: 200 while the engine serves (503 once it died)."""
+    status, health = call(server, "/health", headers={})
+    assert status == 200 and health["status"] == "ok" and health["total_slots"] > 0, health
+
+
+def test_a_body_with_many_problems_names_three(server):
+    """Up to three of pydantic's problems, each with its field, as one line."""
+    fields = random.Random(0).sample(["temperature", "top_p", "n", "seed", "stream", "echo", "user"], 5)
+    got, reply = call(server, "/v1/completions", {"prompt": "hi", **{name: [1] for name in fields}})
+    problems = reply["error"]["message"].split("; ")
+    assert got == 400 and len(problems) == 3 and all(p.split(":")[0] in fields for p in problems), reply
+
+
+def test_a_request_that_does_not_say_runs_to_eos():
+    """ignore_eos is off unless asked for (vLLM's default), in either API."""
+    for request in (CompletionRequest(prompt="hi"), ChatRequest(messages=[{"role": "user", "content": "hi"}])):
+        assert request.sampling_params(random.randint(1, 99)).ignore_eos is False
 
 
 def test_oversized_body_is_refused_with_413(server):

@@ -194,3 +194,27 @@ def test_token_bytes_join_up_to_the_texts_bytes(tokenizer, tmp_path):
             split += sum(REPLACEMENT_CHAR in tok.token_text(t) for t in ids)
             assert b"".join(map(tok.token_bytes, ids)) == (lead + text).encode(), text
         assert split > 0  # the case in question came up
+
+
+def test_token_bytes_of_each_byte_token_as_gpt2s_byte_alphabet(tokenizer):
+    """Each of byte-level BPE's 256 one-byte tokens gives its byte back, as GPT-2's alphabet (HF's
+    bytes_to_unicode) spells it: also those that read U+FFFD alone (0x80-0xFF, `¡`-`¬` among them)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    ids = {byte: tokenizer._tokenizer.token_to_id(char) for byte, char in bytes_to_unicode().items()}
+    ids = {byte: token_id for byte, token_id in ids.items() if token_id is not None}  # never in UTF-8: 0xC0, 0xF5...
+    assert len(ids) > 200 and all(tokenizer.token_bytes(token_id) == bytes([byte]) for byte, token_id in ids.items())
+
+
+def test_stream_decoder_after_a_one_token_prompt(tmp_path):
+    """A prompt shorter than the context window is context as a whole: after a one-token prompt a
+    SentencePiece "▁b" reads " b", as the whole text's decode continues the prompt's."""
+    save_byte_fallback_tokenizer(tmp_path)
+    tokenizer, rng = Tokenizer(tmp_path), random.Random(0)
+    for _ in range(20):
+        prompt_ids = tokenizer.encode_text(rng.choice(["a", "b"]))
+        answer_ids = tokenizer.encode_text("".join(rng.choices("ab  ", k=rng.randint(1, 8))))
+        decoder = StreamDecoder(tokenizer, prompt_ids)
+        pieces = [decoder.push(t, last=i == len(answer_ids) - 1) for i, t in enumerate(answer_ids)]
+        full = tokenizer.decode(prompt_ids + answer_ids)
+        assert len(prompt_ids) == 1 and "".join(pieces) == full[len(tokenizer.decode(prompt_ids)) :]
