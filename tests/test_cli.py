@@ -4,6 +4,7 @@ on stderr and exit status 2 (never a traceback), Ctrl-C with exit status 130."""
 import importlib
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -27,6 +28,7 @@ def test_capital_of_france(smollm2_dir):
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
     assert "prefill:" in result.stderr and "Paris" not in result.stderr  # stats on stderr only
+    assert "note:" not in result.stderr  # SmolLM2 has a chat template: nothing to note
 
 
 def test_several_prompts_print_in_order(smollm2_dir, tmp_path):
@@ -67,6 +69,12 @@ def test_a_model_folder_given_as_dot_keeps_its_name(tmp_path, monkeypatch):
     assert resolve_model(".").name == "my-model"
     monkeypatch.chdir(tmp_path / "my-model" / "sub")
     assert resolve_model("..").name == "my-model"
+
+
+def test_no_model_flag_is_the_embedded_default(smollm2_dir):
+    from nano.cli import resolve_model
+
+    assert resolve_model(None) == smollm2_dir  # generate and serve without --model: SmolLM2-135M-Instruct
 
 
 def test_empty_model_folder(tmp_path):
@@ -161,6 +169,15 @@ def test_max_new_tokens_past_a_small_kv_cache_are_capped_with_a_note(tiny_model)
     assert result.returncode == 0, result.stderr
     assert "prompt 1: the context leaves room for 15 new tokens" in result.stderr
     assert "decode: 14 more tokens" in result.stderr
+
+
+def test_the_cap_note_names_only_the_prompts_that_were_capped(tiny_model):
+    """16 slots and 13 new tokens: a prompt of several tokens is capped, a 1-token prompt after it is not."""
+    result = run_cli("--model", str(tiny_model), "--prompt", "hi hi hi hi hi", "--prompt", "hi", "--no-chat-template",
+                     "--max-total-tokens", "16", "--max-new-tokens", "13", "--ignore-eos")
+    assert result.returncode == 0, result.stderr
+    notes = [line for line in result.stderr.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and notes[0].startswith("note: prompt 1: the context leaves room for"), result.stderr
 
 
 def test_empty_prompt(tiny_model):
@@ -307,6 +324,31 @@ def test_bad_engine_flags(flags, fragment):
     sized); bench_latency reports them as generate does."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     assert_one_line_error(run_cli(*flags, module="nano.bench_latency", env=env), fragment)
+
+
+def test_help_leaves_out_defaults_that_are_none_or_off():
+    """A flag whose default is None or off explains it in its own words: no "(default: False)"."""
+    from nano import generate
+
+    text = generate.build_parser().format_help()
+    assert "(default: 0.85)" in text and "(default: None)" not in text and "(default: False)" not in text
+
+
+@pytest.mark.parametrize("seed", range(6))  # each flag both on and off among them
+def test_engine_flags_reach_the_engine_config(seed, monkeypatch):
+    """Each --disable-* flag turns its setting off and only that one; on CPU with the torch backend
+    Triton is not needed, so a host without it still runs."""
+    from nano import cli, generate
+
+    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None)  # as if triton were not installed
+    rng = random.Random(seed)
+    off = {flag: rng.random() < 0.5 for flag in ("mla", "radix_cache", "overlap")}
+    limits = {"max_total_tokens": rng.randint(64, 4096), "max_running_requests": rng.randint(1, 64)}
+    argv = ["--prompt", "x", "--device", "cpu"] + [f"--disable-{f.replace('_', '-')}" for f in off if off[f]]
+    argv += [a for k, v in limits.items() for a in (f"--{k.replace('_', '-')}", str(v))]
+    config = cli.engine_config(generate.build_parser().parse_args(argv))
+    assert (config.use_mla, config.radix_cache, config.overlap) == tuple(not v for v in off.values())
+    assert (config.max_total_tokens, config.max_running_requests) == tuple(limits.values())
 
 
 @pytest.mark.parametrize("affinity, threads", [("lambda pid: {0, 1, 2, 3}", 2), (None, 32)])  # None: macOS's

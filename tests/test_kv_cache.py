@@ -1,5 +1,7 @@
 """The slot allocator and request table, and the engine's batching on top of them (CPU)."""
 
+import random
+
 import pytest
 import torch
 
@@ -205,6 +207,7 @@ def test_generate_that_raises_leaves_nothing_to_the_next_call(tmp_path, failing_
     # the Python API's graphs (cli.py never asks for them there): torch's AssertionError on CPU, a TypeError in capture
     (dict(cuda_graph=True), "cuda-graph needs a cuda device and the triton backend"),
     (dict(cuda_graph=True, device="cuda", attention_backend="torch"), "cuda-graph needs a cuda device and the triton"),
+    (dict(cuda_graph=True, attention_backend="triton"), "cuda-graph needs a cuda device and the triton backend"),
     (dict(device="meta"), "device must be cpu, cuda or cuda:N, got 'meta'"),  # a KeyError or torch's traceback
     (dict(device="gpu"), "device must be cpu, cuda or cuda:N, got 'gpu'"),
 ])
@@ -216,3 +219,40 @@ def test_a_setting_it_cannot_honour_is_refused_not_replaced(tmp_path, setting, m
     with pytest.raises(ValueError) as refused:
         Engine(tmp_path, EngineConfig(**{"max_total_tokens": 64, "log": False} | setting))
     assert message in str(refused.value)
+
+
+def test_the_fit_check_counts_the_request_table_and_kv_cache_the_engine_builds(tmp_path, monkeypatch):
+    """ensure_fits is asked for what the engine then allocates: the request table's int32 rows and the
+    pool's slots (one more: slot 0 is the padding slot), not a guess above or below them."""
+    from nano import engine as engine_module
+
+    save_tiny_llama(tmp_path, "gqa")
+    asked = {}
+    real = engine_module.ensure_fits
+    monkeypatch.setattr(engine_module, "ensure_fits", lambda *args: asked.update(args[2]) or real(*args))
+    rng = random.Random(5)
+    engine = Engine(tmp_path, EngineConfig(max_total_tokens=rng.randint(300, 900), max_running_requests=rng.randint(3, 9),
+                                           context_length=rng.randint(100, 256), log=False))
+    assert asked["request table"] == engine.req_to_token_pool.req_to_token.nbytes
+    pool = sum(t.nbytes for t in engine.kv_pool.k_buffers + engine.kv_pool.v_buffers)
+    assert asked["KV cache"] == pool - pool // (engine.kv_pool.capacity + 1)
+
+
+@pytest.mark.parametrize("size", [0, -1])
+def test_chunked_prefill_size_0_or_minus_1_turns_chunking_off(tmp_path, size):
+    """As SGLang's --chunked-prefill-size -1 (EngineConfig: "0 or -1: off"): taken, and no prompt is cut."""
+    save_tiny_llama(tmp_path, "gqa")
+    engine = Engine(tmp_path, EngineConfig(max_total_tokens=600, chunked_prefill_size=size, log=False))
+    prompts = random_prompts([200, 17], LLAMA_TINY["vocab_size"], seed=9)
+    engine.generate(prompts, SamplingParams(max_new_tokens=2, ignore_eos=True))
+    assert not engine.scheduler.chunking and engine.stats["prefill_tokens"] == 217
+
+
+def test_an_engine_says_what_it_loaded_and_the_kv_cache_it_sized(tmp_path, capsys):
+    """By default (log=True) the engine prints its model and its pool on stderr: the pool's real size,
+    which --mem-fraction picked and a user sizes --max-running-requests by."""
+    save_tiny_llama(tmp_path, "gqa")
+    tokens = random.Random(3).randint(100, 900)
+    engine = Engine(tmp_path, EngineConfig(max_total_tokens=tokens))
+    err = capsys.readouterr().err
+    assert "loaded LlamaForCausalLM (" in err and f"KV cache: {tokens} tokens ({engine.kv_bytes_per_token:,} bytes" in err

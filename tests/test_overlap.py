@@ -3,6 +3,7 @@ the engine that finishes each pass before the next (CPU, tiny Llama). Same token
 aborts included, and every KV slot back in the pool at the end."""
 
 import random
+import time
 
 import pytest
 
@@ -110,3 +111,29 @@ def test_random_arrivals_aborts_and_stops_keep_every_slot_accounted_for(tmp_path
     for i, req in reqs.items():
         assert req.output_ids == (expected[i] if i not in aborted else expected[i][: len(req.output_ids)]), i
     assert engine.slots.available + cache.size == pool and cache.locked_size == 0 and engine.scheduler.free_room == pool
+
+
+def test_stats_time_the_steps_within_the_wall_clock(tmp_path):
+    """engine.stats' prefill_s and decode_s (bench and the server's stats line read them): each step's
+    time, added up, so both grow with the steps and together stay under the time generate took."""
+    save_tiny_llama(tmp_path, "gqa")
+    engine = engine_for(tmp_path, overlap=True)
+    prompts = random_prompts([7, 30, 12], LLAMA_TINY["vocab_size"], seed=3)
+    started = time.perf_counter()
+    engine.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    wall, stats = time.perf_counter() - started, engine.stats
+    assert stats["prefill_steps"] > 0 and stats["decode_steps"] > 0
+    assert 0 < stats["prefill_s"] and 0 < stats["decode_s"] and stats["prefill_s"] + stats["decode_s"] <= wall
+
+
+def test_overlap_is_the_default(tmp_path):
+    """README: by default, while no prompt waits, the next pass is launched before the last is booked
+    (--disable-overlap books first): a default engine's decode step leaves a pass in flight."""
+    save_tiny_llama(tmp_path, "gqa")
+    engine = Engine(tmp_path, EngineConfig(max_total_tokens=POOL, log=False))
+    prompts = random_prompts([9, 4], LLAMA_TINY["vocab_size"], seed=random.Random(2).randint(0, 99))
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    engine.step()  # the prefill
+    engine.step()  # a decode pass launched, the one before it (none) booked
+    assert engine.in_flight is not None and engine.in_flight.reqs

@@ -452,7 +452,7 @@ def test_engine_exception_fails_its_requests_with_500_and_serving_goes_on(tiny_m
             time.sleep(0.05)
 
 
-def test_a_request_that_a_failed_step_finished_still_gets_an_answer(tiny_model):
+def test_a_request_that_a_failed_step_finished_still_gets_an_answer(tiny_model, capsys):
     """Overlap: a step books the decode pass in flight (here request 0's last token), then runs a prefill
     for a new prompt. When that prefill raises, request 0 gets the 500 too, not silence."""
     from nano.engine_process import _step
@@ -471,6 +471,8 @@ def test_a_request_that_a_failed_step_finished_still_gets_an_answer(tiny_model):
     events = dict(_step(engine, requests))  # books request 0's last token, then request 1's prefill raises
     assert set(events) == {0, 1} and all(e.status == 500 for e in events.values())
     assert not requests and not engine.logprobs and not engine.has_work()
+    # the 500 says "see the server log": the traceback is there, the fault named
+    assert "Traceback" in (err := capsys.readouterr().err) and "RuntimeError: injected fault" in err
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the planted death
@@ -931,10 +933,12 @@ def engine_pid(server_pid: int) -> int:
     return next(pid for pid in child_pids(server_pid) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes())
 
 
-def test_sigterm_to_every_process_of_the_server_finishes_its_requests(tiny_model, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_to_every_process_of_the_server_finishes_its_requests(tiny_model, tmp_path, sig):
     """systemd stops a service (KillMode=control-group, its default) with SIGTERM to every process in it,
-    the engine's too; as with SIGTERM to the server alone, the request streaming and the one waiting for
-    the only row finish, and the server exits 0."""
+    the engine's too, and Ctrl-C sends SIGINT to every process of the terminal's group; as with SIGTERM to
+    the server alone, the request streaming and the one waiting for the only row finish, and the server
+    exits 0."""
     proc, url = start_server(tiny_model, tmp_path / "server.log", "--max-total-tokens", "100000",
                              "--max-running-requests", "1")
 
@@ -951,7 +955,7 @@ def test_sigterm_to_every_process_of_the_server_finishes_its_requests(tiny_model
                 queued = asyncio.ensure_future(read(session, {**body, "prompt": [302, 303]}))
                 await asyncio.sleep(0.5)
                 for pid in [proc.pid, *child_pids(proc.pid)]:
-                    os.kill(pid, signal.SIGTERM)
+                    os.kill(pid, sig)
                 rest = [line async for line in lines if line.startswith(b"data: ")]
             return rest, await queued
 
