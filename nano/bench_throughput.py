@@ -109,7 +109,7 @@ def run(args):
           f"(prefill {s['prefill_s']:.2f} s in {s['prefill_steps']} steps at "
           f"{s['prefill_tokens'] / max(s['prefill_s'], 1e-9):,.0f} tok/s, decode {s['decode_s']:.2f} s in "
           f"{s['decode_steps']} steps at {s['decode_tokens'] / max(s['decode_s'], 1e-9):,.0f} tok/s)", flush=True)
-    if args.peer_prompts and engine.device.type != "cuda":  # here its continuous batching took 29 s for 2 x 6 tokens
+    if args.peer_prompts and engine.device.type != "cuda":
         print("HF transformers generate_batch: not timed on CPU, where it is far too slow (--peer-prompts 0: no peer)")
     elif args.peer_prompts:
         del engine

@@ -125,15 +125,8 @@ def test_a_prompt_retracted_part_way_counts_once_as_a_prompt(tmp_path):
     assert engine.stats["prefill_tokens"] == 20 + 30 and engine.stats["recomputed_tokens"] > 0
 
 
-@pytest.mark.parametrize("failing_pass", [1, 2])  # the first chunk of a prompt, or a later one
-def test_a_prefill_that_raises_gives_back_the_slots_it_took(tmp_path, failing_pass):
-    """A step that raises fails the requests it ran and the engine serves on (engine_process._step):
-    the slots the failed extend pass took go back to the pool, so that later a request that needs
-    the whole context still runs (with a slot missing, its last decode step finds no room)."""
-    from nano.engine_process import _step
-
-    save_tiny_llama(tmp_path, "gqa")
-    engine = Engine(tmp_path, EngineConfig(max_total_tokens=64, chunked_prefill_size=3, log=False))
+def _fail_pass(engine, failing_pass: int):
+    """Make the engine's forward pass number `failing_pass` (from 1) raise; -> the real model."""
     real_model, passes = engine.model, {"done": 0}
 
     def model(batch, attn):
@@ -143,6 +136,19 @@ def test_a_prefill_that_raises_gives_back_the_slots_it_took(tmp_path, failing_pa
         return real_model(batch, attn)
 
     engine.model = model
+    return real_model
+
+
+@pytest.mark.parametrize("failing_pass", [1, 2])  # the first chunk of a prompt, or a later one
+def test_a_prefill_that_raises_gives_back_the_slots_it_took(tmp_path, failing_pass):
+    """A step that raises fails the requests it ran and the engine serves on (engine_process._step):
+    the slots the failed extend pass took go back to the pool, so that later a request that needs
+    the whole context still runs (with a slot missing, its last decode step finds no room)."""
+    from nano.engine_process import _step
+
+    save_tiny_llama(tmp_path, "gqa")
+    engine = Engine(tmp_path, EngineConfig(max_total_tokens=64, chunked_prefill_size=3, log=False))
+    real_model = _fail_pass(engine, failing_pass)
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     requests = {0: engine.add_request([5, 6, 7, 8, 9], params)}
     while requests:
@@ -165,15 +171,7 @@ def test_a_caller_stepping_on_after_a_pass_raised_sees_its_requests_end(tmp_path
     and a failed prefill kept its request's row with no work left to finish it."""
     save_tiny_llama(tmp_path, "gqa")
     engine = Engine(tmp_path, EngineConfig(max_total_tokens=64, overlap=overlap, log=False))
-    real_model, passes = engine.model, {"done": 0}
-
-    def model(batch, attn):
-        passes["done"] += 1
-        if passes["done"] == failing_pass:
-            raise RuntimeError("injected fault")
-        return real_model(batch, attn)
-
-    engine.model = model
+    _fail_pass(engine, failing_pass)
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     reqs = [engine.add_request(p, params) for p in random_prompts([5, 7], LLAMA_TINY["vocab_size"], seed=4)]
     steps, errors = 0, 0
