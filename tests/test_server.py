@@ -9,6 +9,7 @@ import json
 import os
 import queue
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -544,6 +545,46 @@ def test_a_failed_step_leaves_no_choice_of_a_request_waiting(tiny_model):
         assert not client.streams and call(url, "/health")[1]["waiting"] == 0
 
 
+def test_a_server_without_a_tokenizer_serves_token_ids_and_refuses_text(tiny_model):
+    """A shipped shape has no tokenizer: token ids in, token ids out (vLLM's "token_id:N" for their
+    text), and what needs text is a 400 that says why."""
+    engine = Engine(tiny_model, EngineConfig(max_total_tokens=10000, max_running_requests=8, log=False))
+    with in_process_server(engine, None) as (url, _):
+        status, reply = call(url, "/v1/completions", dict(prompt=[5, 6, 7], max_tokens=3, logprobs=1, echo=True))
+        assert status == 200, reply
+        choice = reply["choices"][0]
+        assert choice["text"] == "" and len(choice["token_ids"]) == 3
+        assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in [5, 6, 7] + choice["token_ids"]]
+        for path, body, param in [("/v1/completions", dict(prompt="hi"), None),
+                                  ("/v1/completions", dict(prompt=[5, 6], stop=["x"]), "stop"),
+                                  ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}]), None),
+                                  ("/tokenize", dict(prompt="hi"), None), ("/detokenize", dict(tokens=[5]), None),
+                                  ("/tokenizer_info", None, None)]:
+            status, reply = call(url, path, body)
+            assert status == 400 and "tokenizer" in reply["error"]["message"], (path, reply)
+            assert reply["error"]["param"] == param, (path, reply)
+
+
+@pytest.mark.parametrize("template, refusal", [
+    (None, ("no chat template: use /v1/completions", None)),
+    ("{{ raise_exception('roles must alternate') }}", ("the chat template refused these messages: roles must alternate",
+                                                        "messages"))])
+def test_a_chat_the_tokenizer_cannot_render_is_a_400(tiny_model, tmp_path, template, refusal):
+    """A tokenizer without a chat template, or a template that raises (Mistral's, for roles out of
+    turn): the chat is refused in a line that says why; completions still run."""
+    folder = tmp_path / "template"
+    shutil.copytree(tiny_model, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    engine = Engine(folder, EngineConfig(max_total_tokens=10000, max_running_requests=8, log=False))
+    with in_process_server(engine, Tokenizer(folder)) as (url, _):
+        status, reply = call(url, "/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}]))
+        assert status == 400 and refusal[0] in reply["error"]["message"], reply
+        assert reply["error"]["param"] == refusal[1], reply
+        assert call(url, "/v1/completions", dict(prompt="hi", max_tokens=2))[0] == 200
+
+
 @contextmanager
 def in_process_server(engine, tokenizer):
     """The server in this process, its engine loop on a thread (`nano.serve` runs it in a process
@@ -837,10 +878,21 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(server, path):
     assert max(waits) < done["took"] / 4, (max(waits), done["took"])
 
 
-def test_tokenize_takes_an_empty_prompt(server, tiny_model):
-    """vLLM's /tokenize: "" is no tokens, or BOS alone where the tokenizer adds one (a completion refuses it)."""
+def test_a_prompt_and_max_tokens_that_fill_the_context_exactly_run(server):
+    """The context (4,096 tokens here) holds prompt + max_tokens: exactly full runs, a token more is
+    a 400 naming max_tokens (OpenAI's and vLLM's rule)."""
+    prompt = [5] * 4090
+    status, reply = call(server, "/v1/completions", dict(prompt=prompt, max_tokens=6, ignore_eos=True))
+    assert status == 200 and reply["usage"]["completion_tokens"] == 6, reply
+    status, reply = call(server, "/v1/completions", dict(prompt=prompt, max_tokens=7))
+    assert status == 400 and reply["error"]["param"] == "max_tokens" and "4096" in reply["error"]["message"], reply
+
+
+def test_tokenize_takes_an_empty_prompt_and_gives_token_ids_back(server, tiny_model):
+    """vLLM's /tokenize: "" is no tokens, or BOS alone where the tokenizer adds one (a completion
+    refuses it); token ids come back as sent, whatever add_special_tokens says."""
     bos = Tokenizer(tiny_model).encode_prompt("", use_chat_template=False)
-    for prompt, add_special_tokens, want in (("", True, bos), ("", False, []), ([], True, [])):
+    for prompt, add_special_tokens, want in (("", True, bos), ("", False, []), ([], True, []), ([5, 6], False, [5, 6])):
         status, reply = call(server, "/tokenize", {"prompt": prompt, "add_special_tokens": add_special_tokens})
         assert status == 200 and reply["tokens"] == want and reply["count"] == len(want), reply
 
