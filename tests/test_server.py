@@ -68,8 +68,13 @@ def tiny_model(tmp_path_factory, smollm2_dir):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):
-    proc, url = start_server(tiny_model, tmp_path_factory.mktemp("log") / "server.log", *SERVER_FLAGS, "--api-key", API_KEY)
+def server_log(tmp_path_factory):
+    return tmp_path_factory.mktemp("log") / "server.log"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, server_log):
+    proc, url = start_server(tiny_model, server_log, *SERVER_FLAGS, "--api-key", API_KEY)
     yield url
     proc.terminate()
     try:
@@ -131,7 +136,7 @@ def test_64_concurrent_streams(server):
     wait_until_idle(server)
 
 
-def test_disconnected_clients_leave_no_trace(server):
+def test_disconnected_clients_leave_no_trace(server, server_log):
     # each asks for thousands of tokens: only an abort frees them within the wait below
     body = dict(prompt=[200, 201, 202], max_tokens=4000, ignore_eos=True)
 
@@ -156,6 +161,7 @@ def test_disconnected_clients_leave_no_trace(server):
     asyncio.run(main())
     wait_until_idle(server)
     assert call(server, "/v1/completions", dict(prompt="hi", max_tokens=2))[0] == 200
+    assert "Traceback" not in server_log.read_text()  # no answer was built for a client gone
 
 
 TOO_LONG = "word " * 5000
@@ -516,6 +522,30 @@ def test_a_refused_prompt_is_answered_without_waiting_for_the_requests_other_pro
             time.sleep(0.05)
         hogging.close()
         hog.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_hangs_up_while_queued_leaves_nothing_behind(tiny_model, capfd, stream):
+    """A request waits for the only row and its client gives up before its first token: the request
+    leaves the queue, and the server logs no traceback for the answer nobody reads."""
+    engine = Engine(tiny_model, EngineConfig(max_total_tokens=10000, max_running_requests=1, log=False))
+    with in_process_server(engine, Tokenizer(tiny_model)) as (url, client):
+        hog = http.client.HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout=60)
+        hog.request("POST", "/v1/completions", json.dumps(dict(prompt=[1, 2, 3], max_tokens=4000, ignore_eos=True,
+                                                               stream=True)), {"Content-Type": "application/json"})
+        hogging = hog.getresponse()
+        hogging.readline()  # it holds the only row for far longer than the wait below
+        request = urllib.request.Request(url + "/v1/completions", json.dumps(dict(prompt=[4, 5], stream=stream)).encode(),
+                                         {"Content-Type": "application/json"})
+        with pytest.raises(TimeoutError):
+            urllib.request.urlopen(request, timeout=1)
+        deadline = time.time() + 10
+        while call(url, "/health")[1]["waiting"]:
+            assert time.time() < deadline, client.streams
+            time.sleep(0.05)
+        hogging.close()
+        hog.close()
+    assert "Traceback" not in capfd.readouterr().err
 
 
 def test_a_failed_step_leaves_no_choice_of_a_request_waiting(tiny_model):
