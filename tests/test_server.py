@@ -548,6 +548,27 @@ def test_a_client_that_hangs_up_while_queued_leaves_nothing_behind(tiny_model, c
     assert "Traceback" not in capfd.readouterr().err
 
 
+def test_a_bug_in_a_route_is_an_openai_style_500_and_serving_goes_on(tiny_model, monkeypatch):
+    """An exception no route expected (a bug, planted here) reaches the client as OpenAI's error JSON
+    with a 500 that names its kind, not Starlette's plain text; the next request is answered."""
+    from nano import serve
+
+    engine = Engine(tiny_model, EngineConfig(max_total_tokens=10000, max_running_requests=8, log=False))
+    usage, planted = serve.Answer.usage, {"on": True}
+
+    def buggy_usage(self, n):
+        if planted["on"]:
+            raise RuntimeError("planted bug")
+        return usage(self, n)
+
+    monkeypatch.setattr(serve.Answer, "usage", buggy_usage)
+    with in_process_server(engine, Tokenizer(tiny_model)) as (url, _):
+        status, reply = call(url, "/v1/completions", dict(prompt=[5, 6, 7], max_tokens=2))
+        assert status == 500 and reply["error"]["message"] == "internal error (RuntimeError)", reply
+        planted["on"] = False
+        assert call(url, "/v1/completions", dict(prompt=[5, 6, 7], max_tokens=2))[0] == 200
+
+
 def test_a_failed_step_leaves_no_choice_of_a_request_waiting(tiny_model):
     """A non-streamed request's choices: one is retracted to the queue, then a step fails the ones
     running. The 500 goes out, and the read of the retracted choice ends too, not left pending forever
