@@ -501,27 +501,41 @@ def test_an_engine_that_dies_fails_what_it_held_and_what_comes_later(tiny_model,
         assert status == 503 and reply["status"] == "engine process exited", reply
 
 
+@contextmanager
+def stream_holding_the_only_row(url):
+    """A streamed request of 4,000 tokens, running: it holds an engine's only row for far longer
+    than a test waits."""
+    hog = http.client.HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout=60)
+    hog.request("POST", "/v1/completions", json.dumps(dict(prompt=[1, 2, 3], max_tokens=4000, ignore_eos=True,
+                                                           stream=True)), {"Content-Type": "application/json"})
+    hogging = hog.getresponse()
+    hogging.readline()
+    try:
+        yield
+    finally:
+        hogging.close()
+        hog.close()
+
+
+def wait_until_none_waiting(url, client, timeout=10):
+    deadline = time.time() + timeout
+    while call(url, "/health")[1]["waiting"]:
+        assert time.time() < deadline, client.streams
+        time.sleep(0.05)
+
+
 def test_a_refused_prompt_is_answered_without_waiting_for_the_requests_other_prompts(tiny_model):
     """One prompt of a list is refused (too long) while the others queue behind a long request for the
     only row: the 400 comes at once, as vLLM's, and the others leave the queue."""
     engine = Engine(tiny_model, EngineConfig(max_total_tokens=10000, max_running_requests=1, log=False))
     with in_process_server(engine, Tokenizer(tiny_model)) as (url, client):
-        hog = http.client.HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout=60)
-        hog.request("POST", "/v1/completions", json.dumps(dict(prompt=[1, 2, 3], max_tokens=4000, ignore_eos=True,
-                                                               stream=True)), {"Content-Type": "application/json"})
-        hogging = hog.getresponse()
-        hogging.readline()  # it holds the only row for far longer than the wait below
-        request = urllib.request.Request(url + "/v1/completions", json.dumps(dict(prompt=["hi", TOO_LONG])).encode(),
-                                         {"Content-Type": "application/json"})
-        with pytest.raises(urllib.error.HTTPError) as refused:
-            urllib.request.urlopen(request, timeout=10)
-        assert refused.value.code == 400, refused.value.read()
-        deadline = time.time() + 10
-        while call(url, "/health")[1]["waiting"]:  # "hi" is aborted, not left to run for nobody
-            assert time.time() < deadline, client.streams
-            time.sleep(0.05)
-        hogging.close()
-        hog.close()
+        with stream_holding_the_only_row(url):
+            body = json.dumps(dict(prompt=["hi", TOO_LONG])).encode()
+            request = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request, timeout=10)
+            assert refused.value.code == 400, refused.value.read()
+            wait_until_none_waiting(url, client)  # "hi" is aborted, not left to run for nobody
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -530,21 +544,12 @@ def test_a_client_that_hangs_up_while_queued_leaves_nothing_behind(tiny_model, c
     leaves the queue, and the server logs no traceback for the answer nobody reads."""
     engine = Engine(tiny_model, EngineConfig(max_total_tokens=10000, max_running_requests=1, log=False))
     with in_process_server(engine, Tokenizer(tiny_model)) as (url, client):
-        hog = http.client.HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout=60)
-        hog.request("POST", "/v1/completions", json.dumps(dict(prompt=[1, 2, 3], max_tokens=4000, ignore_eos=True,
-                                                               stream=True)), {"Content-Type": "application/json"})
-        hogging = hog.getresponse()
-        hogging.readline()  # it holds the only row for far longer than the wait below
-        request = urllib.request.Request(url + "/v1/completions", json.dumps(dict(prompt=[4, 5], stream=stream)).encode(),
-                                         {"Content-Type": "application/json"})
-        with pytest.raises(TimeoutError):
-            urllib.request.urlopen(request, timeout=1)
-        deadline = time.time() + 10
-        while call(url, "/health")[1]["waiting"]:
-            assert time.time() < deadline, client.streams
-            time.sleep(0.05)
-        hogging.close()
-        hog.close()
+        with stream_holding_the_only_row(url):
+            body = json.dumps(dict(prompt=[4, 5], stream=stream)).encode()
+            request = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+            with pytest.raises(TimeoutError):
+                urllib.request.urlopen(request, timeout=1)
+            wait_until_none_waiting(url, client)
     assert "Traceback" not in capfd.readouterr().err
 
 
