@@ -291,6 +291,31 @@ def test_bench_latency_floor_from_a_given_bandwidth_on_cpu(capsys):
     assert "peak bandwidth 20 GB/s (given)" in out and "of the copy bandwidth (floor " in out
 
 
+@pytest.mark.parametrize("shape", ["llama-3-8b", "smollm2-135m", "deepseek-v2-lite"])
+def test_bench_latency_floor_counts_the_weights_a_decode_step_reads(shape):
+    """The floor's weights: all but the embedding table (unless lm_head is the same tensor). Of a MoE
+    layer's routed experts, one token reads exactly the k it picks; a batch of b tokens, each picking k
+    of E, reads E (1 - (1 - k/E)^b) on average, so a batch far larger than E reads every expert. The
+    shared experts are read at every batch size. Checked against counts from the config alone."""
+    from nano.bench_latency import weight_bytes_per_step
+    from nano.cli import shipped_shape
+    from nano.config import load_config
+    from nano.loader import build_model
+
+    cfg = load_config(shipped_shape(shape))
+    model = build_model(cfg, cfg.is_deepseek, "meta", torch.bfloat16)
+    every_weight = sum(p.numel() * p.element_size() for p in model.parameters())  # the router is float32
+    embedding = 0 if cfg.tie_word_embeddings else 2 * cfg.vocab_size * cfg.hidden_size
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    assert (moe_layers > 0) == (shape == "deepseek-v2-lite")
+    expert = 2 * 3 * cfg.moe_intermediate_size * cfg.hidden_size  # gate, up, down
+    routed, top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    dense = every_weight - embedding - moe_layers * routed * expert  # all a step reads but routed experts
+    pairs = [(1, top_k), (2, routed * (1 - (1 - top_k / routed) ** 2)), (100_000, routed)] if routed else [(1, 0)]
+    for batch, experts_read in pairs:  # (batch size, routed experts it reads a MoE layer)
+        assert weight_bytes_per_step(model, batch) == pytest.approx(dense + moe_layers * experts_read * expert)
+
+
 @pytest.mark.parametrize("module", ["generate", "serve", "bench_latency", "bench_throughput", "bench_serving"])
 def test_every_flag_has_a_help_text(module):
     parser = importlib.import_module(f"nano.{module}").build_parser()
