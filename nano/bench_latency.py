@@ -122,7 +122,7 @@ def run(args):
     if args.cuda_graph_max_bs is not None:
         args.cuda_graph_max_bs = max(args.cuda_graph_max_bs, max_bs)
     if args.max_total_tokens is None:
-        args.max_total_tokens = max_bs * per_request + 1
+        args.max_total_tokens = max_bs * per_request
     # the whole batch in the one prefill step this reports, every prompt token computed (the batch
     # sizes' prompts come from the same seeds: a prefix cache would find them)
     engine = build_engine(args, model_dir, max_prefill_tokens=max_bs * args.input_len, chunked_prefill_size=0,

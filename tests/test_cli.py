@@ -281,14 +281,78 @@ def test_bench_latency_refuses_a_request_past_the_context_before_building_the_en
     assert capsys.readouterr().err == "error: 100000 + 8 tokens per request do not fit: the context holds 8192 tokens\n"
 
 
-def test_bench_latency_floor_from_a_given_bandwidth_on_cpu(capsys):
-    """--peak-bandwidth needs no GPU: the floor is the bytes over the bandwidth given."""
+def test_bench_latency_reports_throughput_bandwidth_and_floor_from_its_timings(monkeypatch, capsys):
+    """The report's arithmetic, from faked timings and sizes: a 0.25 s prefill of 2 x 3 tokens, decode
+    steps of 2, 0.5 and 1 ms (median 1 ms), 1.5 GB of weights and 10 MB of KV a token. A middle step
+    reads the KV of 2 x (3 + 5 // 2) tokens: 0.1 GB, so 1.6 GB a millisecond, a quarter of 6,400 GB/s.
+    --peak-bandwidth needs no GPU."""
     from nano import bench_latency
 
-    bench_latency.main(["--device", "cpu", "--threads", "1", "--input-len", "8", "--output-len", "3",
-                        "--peak-bandwidth", "20"])
-    out = capsys.readouterr().out
-    assert "peak bandwidth 20 GB/s (given)" in out and "of the copy bandwidth (floor " in out
+    build = bench_latency.build_engine
+
+    def build_with_large_kv_tokens(*args, **kwargs):
+        engine = build(*args, **kwargs)
+        engine.kv_bytes_per_token = 10**7
+        return engine
+
+    monkeypatch.setattr(bench_latency, "build_engine", build_with_large_kv_tokens)
+    monkeypatch.setattr(bench_latency, "run_once", lambda *a, **k: (0.25, [0.002, 0.0005, 0.001]))
+    monkeypatch.setattr(bench_latency, "weight_bytes_per_step", lambda model, bs: 1.5e9)
+    bench_latency.main(["--device", "cpu", "--threads", "1", "--batch-size", "2", "--input-len", "3",
+                        "--output-len", "5", "--peak-bandwidth", "6400"])
+    assert capsys.readouterr().out.splitlines() == [
+        "smollm2-135m: LlamaForCausalLM, torch.float32, cpu, CUDA graphs off, attention TorchAttnBackend",
+        "peak bandwidth 6400 GB/s (given)",
+        "batch size 2",
+        "Prefill. latency: 0.25000 s, throughput:     24.00 token/s",
+        "Decode.  median latency: 0.00100 s, median throughput:   2000.00 token/s",
+        "Bytes read per decode step: 1.50 GB weights + 0.100 GB KV; achieved 1600 GB/s = 25% of the copy "
+        "bandwidth (floor 0.25 ms)",
+    ]
+
+
+@pytest.mark.parametrize("flags, kv_tokens", [
+    ([], 2 * (1 + 3)),  # sized to the batch
+    (["--context-length", "4", "--max-total-tokens", "8"], 8),  # a request fills the context, the batch the cache
+    (["--max-total-tokens", "100"], 100),
+])
+def test_bench_latency_runs_a_batch_that_exactly_fits(monkeypatch, capsys, flags, kv_tokens):
+    """The bounds are inclusive: a 1-token prompt, a request as long as the context, a batch as large
+    as the KV cache all run; without --max-total-tokens the cache holds the batch and no more."""
+    from nano import bench_latency
+
+    engines, build = [], bench_latency.build_engine
+    monkeypatch.setattr(bench_latency, "build_engine", lambda *a, **k: engines.append(build(*a, **k)) or engines[-1])
+    bench_latency.main(["--device", "cpu", "--threads", "1", "--batch-size", "2", "--input-len", "1",
+                        "--output-len", "3", *flags])
+    assert engines[0].kv_pool.capacity == kv_tokens
+    assert "Decode.  median latency" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_bench_latency_times_prefill_and_decode_steps_apart(tmp_path, monkeypatch, overlap):
+    """run_once on a tiny model whose first step, the prefill, is slowed by 0.3 s: the prefill figure
+    holds the sleep and no decode figure does; every request runs to its length (EOS ignored)."""
+    from nano.bench_latency import run_once
+    from nano.engine import Engine, EngineConfig
+
+    save_tiny_llama(tmp_path, "gqa")
+    engine = Engine(tmp_path, EngineConfig(max_total_tokens=64, overlap=overlap, log=False))
+    step, add_request, params, steps = engine.step, engine.add_request, [], []
+
+    def first_step_slowed():
+        time.sleep(0 if steps else 0.3)
+        steps.append(step())
+        return steps[-1]
+
+    monkeypatch.setattr(engine, "step", first_step_slowed)
+    monkeypatch.setattr(engine, "add_request", lambda prompt, p: params.append(p) or add_request(prompt, p))
+    started = time.perf_counter()
+    prefill_s, decode_s = run_once(engine, batch_size=2, input_len=4, output_len=6, seed=0)
+    wall_s = time.perf_counter() - started
+    assert len(params) == 2 and all(p.ignore_eos and p.max_new_tokens == 6 for p in params)
+    assert prefill_s >= 0.3 and len(decode_s) == 4 and all(0 < s < 0.3 for s in decode_s)
+    assert prefill_s + sum(decode_s) <= wall_s
 
 
 @pytest.mark.parametrize("shape", ["llama-3-8b", "smollm2-135m", "deepseek-v2-lite"])
@@ -338,7 +402,11 @@ def test_help_shows_defaults_and_examples(module):
     (["--device", "cpu", "--cuda-graph-max-bs", "8"], "CUDA graphs run only on a GPU"),
     (["--output-len", "2"], "--output-len >= 3"),
     (["--batch-size"], "--batch-size"),
+    (["--batch-size", "1", "0"], "--batch-size and --input-len must be >= 1"),
+    (["--input-len", "0"], "--batch-size and --input-len must be >= 1"),
     (["--peak-bandwidth", "nan"], "--peak-bandwidth"),
+    (["--peak-bandwidth", "0"], "--peak-bandwidth must be a positive number"),
+    (["--peak-bandwidth", "inf"], "--peak-bandwidth must be a positive number"),
     (["--max-total-tokens", "200", "--batch-size", "2"], "does not fit"),  # else it times one at a time
     (["--device", "cpu", "--tp-size", "2"], "splits the model over GPUs, and this run has none"),
     (["--device", "cpu", "--threads", "0"], "--threads must be > 0"),
