@@ -315,10 +315,12 @@ def test_bench_latency_reports_throughput_bandwidth_and_floor_from_its_timings(m
     ([], 2 * (1 + 3)),  # sized to the batch
     (["--context-length", "4", "--max-total-tokens", "8"], 8),  # a request fills the context, the batch the cache
     (["--max-total-tokens", "100"], 100),
+    (["--max-running-requests", "1"], 2 * (1 + 3)),  # raised to the batch: else it times one at a time
 ])
 def test_bench_latency_runs_a_batch_that_exactly_fits(monkeypatch, capsys, flags, kv_tokens):
     """The bounds are inclusive: a 1-token prompt, a request as long as the context, a batch as large
-    as the KV cache all run; without --max-total-tokens the cache holds the batch and no more."""
+    as the KV cache all run; without --max-total-tokens the cache holds the batch and no more. The
+    whole batch is prefilled in one step, whatever --max-running-requests says."""
     from nano import bench_latency
 
     engines, build = [], bench_latency.build_engine
@@ -326,6 +328,7 @@ def test_bench_latency_runs_a_batch_that_exactly_fits(monkeypatch, capsys, flags
     bench_latency.main(["--device", "cpu", "--threads", "1", "--batch-size", "2", "--input-len", "1",
                         "--output-len", "3", *flags])
     assert engines[0].kv_pool.capacity == kv_tokens
+    assert engines[0].stats["prefill_steps"] == 2  # the warm-up's batch and the timed one, each in one step
     assert "Decode.  median latency" in capsys.readouterr().out
 
 
