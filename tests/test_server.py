@@ -909,7 +909,8 @@ def test_a_reply_kept_as_the_openai_sdk_dumps_it_is_taken_back(server):
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
 def test_a_long_prompt_is_tokenized_off_the_event_loop(server, path):
     """Tokenizing a prompt near the body's 4 MB limit takes seconds; on the event loop, every other
-    request and stream waited them out (vLLM tokenizes off its event loop too)."""
+    request and stream waited them out (vLLM tokenizes off its event loop too). So did encoding
+    /tokenize's answer of 800k ids through FastAPI's encoder: 1 s of the 3.7 s, on this 2-core CPU."""
     rng = random.Random(0)
     text = " ".join(rng.choice(["sea", "wave", "salt", "tide", "foam", "gull"]) for _ in range(MAX_BODY_BYTES // 5))
     body = {"prompt": text} if path == "/tokenize" else {"prompt": text, "max_tokens": 1}
@@ -931,7 +932,7 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(server, path):
         waits.append(time.perf_counter() - started)
     sender.join()
     assert done["status"] == (200 if path == "/tokenize" else 400)  # too long for the context
-    assert max(waits) < done["took"] / 4, (max(waits), done["took"])
+    assert max(waits) < done["took"] / 6, (max(waits), done["took"])
 
 
 def test_a_prompt_and_max_tokens_that_fill_the_context_exactly_run(server):
