@@ -49,7 +49,7 @@ try:  # Ctrl-C while these import torch (seconds; nano.cli's `cli` is not runnin
     from starlette.exceptions import HTTPException
 
     from nano.api import (DEFAULT_COMPLETION_TOKENS, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                          check_api_key, parse)
+                          check_api_key, json_answer, parse)
     from nano.cli import ArgumentParser, UsageError, add_engine_args, build_engine, cli, resolve_model_or_shape
     from nano.config import load_config
     from nano.engine_process import APIError, EngineClient, Stream, Token, first_events, start_engine_process
@@ -109,13 +109,6 @@ async def tokenize(http: HTTPRequest):
     else:
         ids = (await asyncio.to_thread(prompt_ids, state, [body.prompt], True))[0]  # "": no tokens or BOS (vLLM's)
     return await json_answer({"count": len(ids), "max_model_len": state.client.context_length, "tokens": ids})
-
-
-async def json_answer(content) -> Response:
-    """A long answer (a 4 MB prompt's token ids, a prompt's logprobs) is serialized off the event loop:
-    FastAPI's own encoder visits every element in Python (0.7 s for 800k ids) while all streams wait."""
-    text = await asyncio.to_thread(json.dumps, content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-    return Response(text, media_type="application/json")
 
 
 @router.post("/detokenize", dependencies=[Depends(check_api_key)])
