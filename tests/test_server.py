@@ -910,7 +910,7 @@ def test_a_reply_kept_as_the_openai_sdk_dumps_it_is_taken_back(server):
 def test_a_long_prompt_is_tokenized_off_the_event_loop(server, path):
     """Tokenizing a prompt near the body's 4 MB limit takes seconds; on the event loop, every other
     request and stream waited them out (vLLM tokenizes off its event loop too). So did encoding
-    /tokenize's answer of 800k ids through FastAPI's encoder: 1 s of the 3.7 s, on this 2-core CPU."""
+    /tokenize's answer of 800k ids through FastAPI's encoder (1 s of 3.7 s on a 2-core CPU)."""
     rng = random.Random(0)
     text = " ".join(rng.choice(["sea", "wave", "salt", "tide", "foam", "gull"]) for _ in range(MAX_BODY_BYTES // 5))
     body = {"prompt": text} if path == "/tokenize" else {"prompt": text, "max_tokens": 1}
