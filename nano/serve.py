@@ -116,7 +116,8 @@ async def detokenize(http: HTTPRequest):
     state = http.app.state
     body = await parse(http, DetokenizeRequest, state.model_name)
     ids = checked_ids(state, body.tokens, "tokens")  # decoded as vLLM's: special tokens too, what /tokenize took
-    return {"prompt": need_tokenizer(state, "detokenize").decode(ids, special_tokens=True)}
+    text = await asyncio.to_thread(need_tokenizer(state, "detokenize").decode, ids, special_tokens=True)  # 4 MB: 0.2 s
+    return await json_answer({"prompt": text})
 
 
 @router.get("/tokenizer_info", dependencies=[Depends(check_api_key)])
@@ -144,7 +145,7 @@ def prompt_ids(state, prompt, empty_ok: bool = False) -> list[list[int]]:
 
 
 def checked_ids(state, ids: list[int], param: str = "prompt") -> list[int]:
-    if not all(0 <= t < state.client.vocab_size for t in ids):
+    if ids and not 0 <= min(ids) <= max(ids) < state.client.vocab_size:  # in C: a generator took 0.4 s for 500k
         raise APIError(400, f"token ids must be in [0, {state.client.vocab_size})", param=param)
     return ids
 
