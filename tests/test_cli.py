@@ -5,6 +5,7 @@ import importlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -624,6 +625,35 @@ def test_stdout_closed_is_one_line(tiny_model):
     """`... >&-`: Python's sys.stdout is None and print() writes nowhere: the run would end with status 0."""
     result = run_cli("--model", str(tiny_model), "--prompt", "hi", preexec_fn=lambda: os.close(1))
     assert_one_line_error(result, "standard output is closed")
+
+
+def test_bench_throughput_random_requests_cover_their_ranges():
+    """Lengths uniform in each inclusive range, ids inside the vocabulary, the same for the same seed."""
+    from nano.bench_throughput import random_requests
+
+    requests = random_requests(400, (3, 5), (1, 2), 20, seed=7)
+    assert {len(prompt) for prompt, _ in requests} == {3, 4, 5} and {n for _, n in requests} == {1, 2}
+    assert all(0 <= t < 20 for prompt, _ in requests for t in prompt)
+    assert random_requests(400, (3, 5), (1, 2), 20, seed=7) == requests != random_requests(400, (3, 5), (1, 2), 20, 8)
+
+
+def test_bench_throughput_counts_the_timed_requests_alone(tmp_path, monkeypatch, capsys):
+    """Every output token asked for comes out (EOS ignored: here every token is one), and the warm-up's
+    steps are not counted: the five prompts take one prefill step."""
+    from nano import bench_throughput
+
+    save_tiny_llama(tmp_path, "gqa")
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "eos_token_id": list(range(config["vocab_size"]))}))
+    drawn, draw = [], bench_throughput.random_requests
+    monkeypatch.setattr(bench_throughput, "random_requests", lambda *a: drawn.append(draw(*a)) or drawn[-1])
+    bench_throughput.main(["--model", str(tmp_path), "--device", "cpu", "--num-prompts", "5", "--input-len", "3", "9",
+                           "--output-len", "2", "6", "--peer-prompts", "0"])
+    requests = drawn[0]  # the timed ones; the warm-up's come second
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line.startswith(f"nano: 5 requests, {sum(len(p) for p, _ in requests)} input tokens, "
+                           f"{sum(n for _, n in requests)} output tokens in "), line
+    assert re.search(r"\(prefill [\d.]+ s in 1 steps at ", line), line
 
 
 def test_bench_throughput_without_a_model_runs_a_shape_that_fits():

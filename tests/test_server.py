@@ -751,6 +751,54 @@ def test_bench_serving_percentiles_are_numpys():
             assert percentile(values, q) == pytest.approx(np.percentile(values, q))
 
 
+def test_bench_serving_report_figures(capsys):
+    """The report's every figure, from three finished requests (one of a single token, which has no
+    time per output token) and a failed one, over 2 s; computed here by hand."""
+    import argparse
+
+    from nano.bench_serving import Result, report
+
+    results = [Result(True, "", 4, 1, ttft=0.1, latency=0.1),
+               Result(True, "", 10, 3, ttft=0.1, latency=0.5, itl=[0.2, 0.2]),
+               Result(False, "asked for 5 tokens, got 2", 7, 2, ttft=0.1, latency=0.4),  # counted nowhere
+               Result(True, "", 20, 5, ttft=0.3, latency=1.3, itl=[0.25] * 4)]
+    report(argparse.Namespace(request_rate=float("inf"), max_concurrency=None), results, 2.0)
+    captured = capsys.readouterr()
+    rows = {name.strip(): value.strip() for name, value in (line.split(":", 1) for line in captured.out.splitlines()
+                                                            if ":" in line)}
+    assert rows == {
+        "Traffic request rate": "inf", "Max request concurrency": "not set", "Successful requests": "3",
+        "Failed requests": "1", "Benchmark duration (s)": "2.00", "Total input tokens": "34",
+        "Total generated tokens": "9", "Request throughput (req/s)": "1.50", "Input token throughput (tok/s)": "17.00",
+        "Output token throughput (tok/s)": "4.50", "Total token throughput (tok/s)": "21.50",
+        "Concurrency": "0.95",  # the requests' latencies summed over the duration
+        "Mean E2E Latency (ms)": "633.33", "Median E2E Latency (ms)": "500.00", "P99 E2E Latency (ms)": "1284.00",
+        "Mean TTFT (ms)": "166.67", "Median TTFT (ms)": "100.00", "P99 TTFT (ms)": "296.00",
+        "Mean TPOT (ms)": "225.00", "Median TPOT (ms)": "225.00", "P99 TPOT (ms)": "249.50",  # 400 / 2, 1000 / 4 ms
+        "Mean ITL (ms)": "233.33", "Median ITL (ms)": "250.00", "P99 ITL (ms)": "250.00"}
+    assert captured.err == "first failure: asked for 5 tokens, got 2\n"
+    results[3].itl.pop()  # a chunk that carried two tokens
+    report(argparse.Namespace(request_rate=4.0, max_concurrency=8), results[1:2] + results[3:], 1.0)
+    assert "warning: some chunks carried several tokens" in capsys.readouterr().err
+
+
+def test_bench_serving_prompt_lengths_cover_their_ranges():
+    """--random-range-ratio 0.5: input lengths uniform in [len / 2, len], output lengths by a ratio of
+    their own; shared-prefix prompts all open with one prefix."""
+    from nano.bench_serving import build_parser, make_prompts
+
+    args = build_parser().parse_args(["--num-prompts", "300", "--random-input-len", "8", "--random-output-len", "4",
+                                      "--random-range-ratio", "0.5", "--random-output-range-ratio", "0.25"])
+    prompts = make_prompts(args, vocab_size=50)
+    assert {len(p) for p, _ in prompts} == set(range(4, 9)) and {n for _, n in prompts} == {1, 2, 3, 4}
+    assert all(0 <= t < 50 for p, _ in prompts for t in p) and len({t for p, _ in prompts for t in p}) == 50
+    args = build_parser().parse_args(["--num-prompts", "3", "--dataset", "shared-prefix", "--shared-prefix-len", "6",
+                                      "--suffix-len", "2", "--random-output-len", "5", "--random-output-range-ratio", "1"])
+    prompts = make_prompts(args, vocab_size=1000)
+    assert [len(p) for p, _ in prompts] == [8] * 3 and [n for _, n in prompts] == [5] * 3
+    assert prompts[0][0][:6] == prompts[1][0][:6] == prompts[2][0][:6] and prompts[0][0][6:] != prompts[1][0][6:]
+
+
 def test_bench_serving_reports_when_the_server_goes_away(tiny_model, tmp_path, monkeypatch, capsys):
     """The server stops after the warm-up: every timed request fails, and the report still comes,
     without a traceback from the /health calls around them."""
