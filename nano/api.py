@@ -33,6 +33,9 @@ MAX_BODY_BYTES = 4 << 20  # a context's worth of text or token ids is far less
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions; chat runs to the context
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # "\ud800": JSON's only way to a lone surrogate
 MAX_CHOICES = 128  # n at most, as OpenAI's API
+# Each choice (prompts x n) is a stream set up on the event loop, and each stop string is looked for
+# there after every token: 100k one-token prompts, or 300k stop strings, stalled every stream for seconds
+MAX_REQUEST_CHOICES, MAX_STOP_STRINGS = 1024, 16
 # fields of features nano lacks that clients send anyway, and the values (besides null) that ask for nothing
 OFF_VALUES = {"frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,),
               "min_tokens": (0,), "best_of": (1,), "suffix": ("",), "logit_bias": ({},), "tools": ([],),
@@ -63,7 +66,7 @@ class GenerationRequest(StrictModel):
     top_p: float = 1.0
     top_k: int = Field(0, ge=-1)  # 0 or -1: off
     seed: int | None = Field(None, ge=-2**63, lt=2**63)  # any int64, as vLLM takes it
-    stop: StopString | list[StopString] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)
@@ -92,6 +95,16 @@ class CompletionRequest(GenerationRequest):
     max_tokens: int | None = Field(None, ge=0)  # 0 with echo: the prompt and its logprobs alone
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # how many likeliest alternatives per token
     echo: bool = False  # the prompt first, in the text and (with logprobs) in the logprobs
+
+    @model_validator(mode="before")
+    @classmethod
+    def _few_enough_choices(cls, data: dict):  # before the fields: validating 1M prompts takes a second
+        prompt, n = data.get("prompt"), data.get("n", 1)
+        prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
+        if prompts * (n if type(n) is int else 1) > MAX_REQUEST_CHOICES:
+            raise APIError(400, f"{prompts} prompts x n = {n}: more than {MAX_REQUEST_CHOICES} choices in one request",
+                           param="prompt")
+        return data
 
     @model_validator(mode="after")
     def _zero_tokens_only_with_echo(self):  # as vLLM: one token is computed and left out of the answer

@@ -176,6 +176,9 @@ BAD_INPUTS = [  # (path, body or raw bytes, status, param)
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "seed": 2**70}, 400, "seed"),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop": [f"x{i}" for i in range(17)]}, 400, "stop"),
+    ("/v1/completions", {"prompt": [[5]] * 9, "n": 128}, 400, "prompt"),  # 1,152 choices
+    ("/v1/completions", {"prompt": ["hi"] * 1025}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "top_k": -2}, 400, "top_k"),
@@ -251,6 +254,13 @@ def test_echo_gives_the_prompt_back_as_sent(server):
         choice = reply["choices"][0]
         assert status == 200 and choice["text"].startswith(prompt), choice["text"]
         assert "".join(choice["logprobs"]["tokens"]) == choice["text"]
+
+
+def test_a_request_of_as_many_choices_and_stop_strings_as_allowed_runs(server):
+    """1,024 choices (prompts x n) and 16 stop strings: each costs the event loop, so one more is a 400."""
+    body = dict(prompt=[[5], [6]] * 4, n=128, max_tokens=1, stop=[f"{i}{i}" for i in range(16)])
+    status, reply = call(server, "/v1/completions", body)
+    assert status == 200 and len(reply["choices"]) == 1024 and reply["usage"]["completion_tokens"] == 1024, reply
 
 
 def test_a_seed_near_the_top_of_its_range_takes_n_samples(server):
