@@ -282,6 +282,15 @@ def test_bad_input_gets_an_error_and_the_server_goes_on(server, path, body, stat
     assert got == 200 and reply["usage"]["completion_tokens"] <= 2
 
 
+def test_a_wrong_method_is_a_405_that_names_the_right_one(server):
+    """HTTP's rule: a 405 says in `Allow` which methods the path takes; the body is OpenAI's error JSON."""
+    conn = http.client.HTTPConnection(server.removeprefix("http://"), timeout=60)
+    conn.request("GET", "/v1/completions", headers=AUTH)
+    resp = conn.getresponse()
+    assert resp.status == 405 and resp.getheader("Allow") == "POST", resp.getheaders()
+    assert json.loads(resp.read())["error"]["message"] == "Method Not Allowed"
+
+
 def test_health_is_200_while_the_engine_lives(server):
     """A load balancer reads the status alone: 200 while the engine serves (503 once it died)."""
     status, health = call(server, "/health", headers={})
