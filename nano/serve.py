@@ -363,9 +363,9 @@ async def until_disconnected(http: HTTPRequest, awaitable):
 async def error_json(_, e: Exception):
     """Every error as OpenAI's error JSON: ours, Starlette's (unknown paths and methods), and a
     bug's (the client gets one line, the log the traceback)."""
-    headers = e.headers if isinstance(e, HTTPException) else None  # a 405's Allow: the methods the path takes
-    if isinstance(e, HTTPException):
-        e = APIError(e.status_code, str(e.detail))
+    headers = None
+    if isinstance(e, HTTPException):  # its headers too: a 405's Allow names the methods the path takes
+        e, headers = APIError(e.status_code, str(e.detail)), e.headers
     elif not isinstance(e, APIError):
         e = APIError(500, f"internal error ({type(e).__name__})")
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
