@@ -83,7 +83,7 @@ def load_config(model_dir: str | Path) -> ModelConfig:
 def read_json(path: Path, error: type[Exception] = ConfigError) -> dict:
     """The JSON object in `path`; anything else raises `error` with a one-line message."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))  # as HF reads it, whatever the locale
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise error(f"{path}: malformed JSON ({e})") from None
     if not isinstance(data, dict):
@@ -93,7 +93,7 @@ def read_json(path: Path, error: type[Exception] = ConfigError) -> dict:
 
 def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
     named = raw.get("architectures") or raw.get("model_type")
-    archs = raw.get("architectures") or [MODEL_TYPES.get(raw.get("model_type"))]
+    archs = raw.get("architectures") or [MODEL_TYPES.get(str(raw.get("model_type")))]  # str: junk finds none
     if not isinstance(archs, list):  # one name, not in a list (transformers goes by model_type), or junk
         archs = [archs]
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
@@ -169,6 +169,10 @@ def _refuse_unsupported(raw: dict, arch: str, cfg: ModelConfig, source: str) -> 
     reads_mlp_bias = arch in ("LlamaForCausalLM", "DeepseekV2ForCausalLM")
     if (reads_attention_bias and raw.get("attention_bias")) or (reads_mlp_bias and raw.get("mlp_bias")):
         raise ConfigError(f"{source}: attention_bias and mlp_bias are not supported (nano has q/k/v biases, as Qwen2)")
+    for key, size in (("num_key_value_heads", cfg.num_kv_heads), ("head_dim", cfg.head_dim),
+                      ("max_position_embeddings", cfg.max_position_embeddings)):  # sizes with defaults, as need()'s
+        if size <= 0:
+            raise ConfigError(f"{source}: {key} must be above 0, got {size}")
     if cfg.head_dim % 2 and not cfg.is_deepseek:  # else a crash in rope at the first request (transformers refuses it)
         raise ConfigError(f"{source}: head_dim {cfg.head_dim} is odd: rope needs pairs of channels")
     if cfg.num_heads % cfg.num_kv_heads:  # else it loads, then the first request crashes in attention

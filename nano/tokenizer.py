@@ -73,14 +73,20 @@ class Tokenizer:
         # Instruct models often stop on more than the tokenizer's EOS (Llama-3.1: <|eot_id|> and
         # <|eom_id|> too); generation_config.json lists them all.
         generation_eos = _read_json(model_dir / "generation_config.json").get("eos_token_id")
-        ids = [self._tokenizer.token_to_id(self.eos_token) if self.eos_token else None]
-        ids += [generation_eos] if isinstance(generation_eos, int) else generation_eos or []
+        listed = [generation_eos] if isinstance(generation_eos, int) else generation_eos or []
+        if not all(isinstance(eos_id, int) for eos_id in listed):  # "2" would stop on nothing
+            raise TokenizerError(f"{model_dir / 'generation_config.json'}: eos_token_id must be an id or a list of ids")
+        ids = [self._tokenizer.token_to_id(self.eos_token) if self.eos_token else None, *listed]
         return [eos_id for eos_id in dict.fromkeys(ids) if eos_id is not None]  # each once, in order
 
     def _compile_chat_template(self, model_dir: Path, config: dict) -> jinja2.Template | None:
         # Newer HF folders keep the template in its own file; older ones in tokenizer_config.json.
         template_file = model_dir / "chat_template.jinja"
-        source = template_file.read_text() if template_file.is_file() else config.get("chat_template")
+        try:  # UTF-8 as HF reads it, whatever the locale
+            in_file = template_file.read_text(encoding="utf-8") if template_file.is_file() else None
+        except UnicodeDecodeError as e:
+            raise TokenizerError(f"{template_file}: not UTF-8 ({e})") from None
+        source = config.get("chat_template") if in_file is None else in_file
         if isinstance(source, list):  # named templates [{"name", "template"}]: HF renders "default" without tools
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
             if "default" not in named:
@@ -123,7 +129,7 @@ class Tokenizer:
         try:
             return self._chat_template.render(messages=messages, **self._template_tokens, add_generation_prompt=True,
                                               tools=None, documents=None)
-        except jinja2.TemplateError as e:  # raise_exception, or a message the template cannot read
+        except Exception as e:  # raise_exception, a message the template cannot read, or its own bug (1 / 0)
             raise TokenizerError(f"the chat template refused these messages: {e}") from None
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
@@ -245,7 +251,10 @@ def _read_json(path: Path) -> dict:
 
 def _token_text(token) -> str | None:
     # tokenizer_config.json writes a special token as its text or as an AddedToken dict.
-    return token.get("content") if isinstance(token, dict) else token
+    text = token.get("content") if isinstance(token, dict) else token
+    if text is not None and not isinstance(text, str):
+        raise TokenizerError(f"tokenizer config: a special token must be text, got {token!r}")
+    return text
 
 
 _STANDARD_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")

@@ -78,6 +78,10 @@ def test_qwen_without_the_sliding_window_key_slides_over_4096(family):
     (dict(num_key_value_heads=3), "not a multiple of num_key_value_heads"),  # attention would crash
     (dict(head_dim=17), "head_dim 17 is odd"),  # rope's halves: the first request crashed (RuntimeError)
     (dict(hidden_size=68, head_dim=None), "head_dim 17 is odd"),  # hidden / heads
+    (dict(head_dim=-16), "head_dim must be above 0, got -16"),  # even: rope's traceback
+    (dict(max_position_embeddings=-5), "max_position_embeddings must be above 0, got -5"),  # rope's traceback
+    (dict(num_key_value_heads=-2), "num_key_value_heads must be above 0, got -2"),  # a weights shape [0, 64]
+    (dict(architectures=None, model_type=["llama"]), "unsupported architecture \\['llama'\\]"),  # unhashable
 ])
 def test_configs_that_would_compute_something_else_or_crash_are_one_line(fields, fragment):
     raw = raw_config("Llama", "v5", num_attention_heads=4) | fields

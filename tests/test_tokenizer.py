@@ -106,6 +106,34 @@ def test_missing_tokenizer_json(tmp_path):
         Tokenizer(tmp_path)
 
 
+@pytest.mark.parametrize("file, content, fragment", [
+    ("chat_template.jinja", "caf\xe9".encode("latin-1"), "chat_template.jinja: not UTF-8"),
+    ("tokenizer_config.json", {"bos_token": 1}, "a special token must be text, got 1"),
+    ("tokenizer_config.json", {"eos_token": ["<|im_end|>"]}, "a special token must be text"),
+    ("generation_config.json", {"eos_token_id": "2"}, "eos_token_id must be an id or a list of ids"),
+])
+def test_a_malformed_tokenizer_file_is_one_line(smollm2_dir, tmp_path, file, content, fragment):
+    """Each was a traceback (a bytes error, a TypeError), or, for "2", stop ids that stopped on nothing."""
+    shutil.copy(smollm2_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    config = json.loads((smollm2_dir / "tokenizer_config.json").read_text())
+    raw = content if isinstance(content, bytes) else json.dumps(config | content if "tokenizer" in file else content)
+    (tmp_path / file).write_bytes(raw if isinstance(raw, bytes) else raw.encode())
+    if file != "tokenizer_config.json":
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(TokenizerError, match=fragment) as error:
+        Tokenizer(tmp_path)
+    assert "\n" not in str(error.value)
+
+
+def test_a_chat_template_that_fails_is_one_line(smollm2_dir, tmp_path):
+    """A template's own bug (1 / 0) was a ZeroDivisionError traceback; jinja's errors alone were caught."""
+    shutil.copy(smollm2_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    config = json.loads((smollm2_dir / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": "{{ 1 / 0 }}"}))
+    with pytest.raises(TokenizerError, match="refused these messages: division by zero"):
+        Tokenizer(tmp_path).apply_chat_template([{"role": "user", "content": "hi"}])
+
+
 def test_named_chat_templates(smollm2_dir, tmp_path):
     """tokenizer_config.json may hold several named templates (Hermes-2-Pro's "default" and
     "tool_use"); without tools transformers renders "default"."""
