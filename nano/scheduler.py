@@ -161,6 +161,14 @@ class Scheduler:
             chunks = [(self.chunked, n)] if n > 0 else []
             budget -= n
         committed = sum(self.expected_need(r) for r in self.running + [r for r, _ in chunks])
+        try:
+            return self._admit_waiting(chunks, budget, committed)
+        except BaseException:  # a fault mid-admission (a bug, a device write): the caller never learns who
+            # was admitted so far, so they end here with the head of the queue, not left unanswered holding rows
+            self.finish(*(r for r, _ in chunks), *list(self.waiting)[:1])
+            raise
+
+    def _admit_waiting(self, chunks: list[tuple[Request, int]], budget: int, committed: int):
         while self.waiting and budget > 0:
             req = self.waiting[0]
             again = req.status is Status.RETRACTED  # running, or a prompt part-way, before
@@ -201,8 +209,10 @@ class Scheduler:
             return False
         req.row, req.cached_len, req.status = row, 0, Status.PREFILLING
         if self.prefix_cache is not None:
-            slots, req.prefix_node = self.prefix_cache.match(req.fill_ids[: 0 if req.wants_prompt_logprobs else -1])
-            self.prefix_cache.lock(req.prefix_node)
+            req.prefix_node = self.prefix_cache.root  # held from here on: what a release of req unlocks
+            slots, node = self.prefix_cache.match(req.fill_ids[: 0 if req.wants_prompt_logprobs else -1])
+            self.prefix_cache.lock(node)
+            req.prefix_node = node
             self.req_to_token_pool.req_to_token[row, : len(slots)] = slots
             req.cached_len = len(slots)
         req.prefilled = req.cached_len

@@ -2,6 +2,8 @@
 CPU: admission on an estimate lets requests that may run to the whole context share the pool,
 and when the bet is lost, retraction gives room back without changing any request's tokens."""
 
+import contextlib
+import io
 import math
 import random
 from collections import Counter
@@ -159,6 +161,41 @@ def test_a_prefill_that_raises_gives_back_the_slots_it_took(tmp_path, failing_pa
     whole_context = SamplingParams(max_new_tokens=61, ignore_eos=True)
     plain = Engine(tmp_path, EngineConfig(max_total_tokens=64, radix_cache=False, log=False))
     assert engine.generate([[11, 12, 13]], whole_context) == plain.generate([[11, 12, 13]], whole_context)
+
+
+@pytest.mark.parametrize("failing_match", [1, 2, 3])  # the first request's admission, the second's, after
+def test_an_admission_that_raises_fails_the_requests_it_took_from_the_queue(tmp_path, failing_match):
+    """A fault while schedule_prefill admits (here in the prefix cache's match): the requests it had
+    already taken from the queue, and the one it was admitting, get the step's 500 and hold nothing.
+    Before, one admitted ahead of the fault was in no list the engine knew: never answered, its row
+    gone for good, and the server's stream waited for ever."""
+    from nano.engine_process import APIError, _step
+
+    save_tiny_llama(tmp_path, "gqa")
+    engine = Engine(tmp_path, EngineConfig(max_total_tokens=64, log=False))
+    real_match, calls = engine.prefix_cache.match, []
+
+    def match(tokens):
+        calls.append(tokens)
+        if len(calls) == failing_match:
+            raise RuntimeError("injected fault")
+        return real_match(tokens)
+
+    engine.prefix_cache.match = match
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    prompts = random_prompts([3, 4, 5], LLAMA_TINY["vocab_size"], seed=5)
+    requests = {sid: engine.add_request(p, params) for sid, p in enumerate(prompts)}
+    answers, steps = {}, 0
+    with contextlib.redirect_stderr(io.StringIO()):  # the step's traceback
+        while requests and steps < 30:
+            steps += 1
+            for sid, event in _step(engine, requests):
+                if isinstance(event, APIError) or event.finish_reason:
+                    answers[sid] = event
+    failed = {sid for sid, e in answers.items() if isinstance(e, APIError) and e.status == 500}
+    assert len(answers) == 3 and failed == set(range(failing_match)) and not engine.has_work()
+    assert engine.slots.available + engine.prefix_cache.size == 64 and engine.prefix_cache.locked_size == 0
+    assert len(engine.req_to_token_pool.free_rows) == engine.config.max_running_requests
 
 
 @pytest.mark.parametrize("overlap", [True, False])
