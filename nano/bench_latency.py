@@ -24,6 +24,7 @@ import time
 
 from nano.cli import SHAPES, ArgumentParser, UsageError, add_engine_args, build_engine, cli, resolve_model_or_shape
 from nano.config import load_config
+from nano.forward_batch import batch_bucket
 
 EXAMPLES = """examples:
   python -m nano.bench_latency                          # smollm2-135m on CPU, llama-3-8b on GPU
@@ -118,9 +119,12 @@ def run(args):
     if per_request > (context := args.context_length or load_config(model_dir).max_position_embeddings):
         raise UsageError(f"{args.input_len} + {args.output_len} tokens per request do not fit: the context "
                          f"holds {context} tokens")
-    args.max_running_requests = max(args.max_running_requests, max_bs)
+    # graphs are captured for buckets (12 runs in the graph of 16): both limits admit the largest's, else
+    # that batch runs eagerly under a header that says "CUDA graphs on"
+    graph_bs = batch_bucket(max_bs)
+    args.max_running_requests = max(args.max_running_requests, graph_bs)
     if args.cuda_graph_max_bs is not None:
-        args.cuda_graph_max_bs = max(args.cuda_graph_max_bs, max_bs)
+        args.cuda_graph_max_bs = max(args.cuda_graph_max_bs, graph_bs)
     if args.max_total_tokens is None:
         args.max_total_tokens = max_bs * per_request
     # the whole batch in the one prefill step this reports, every prompt token computed (the batch

@@ -271,6 +271,29 @@ def test_bench_latency_times_the_middle_decode_steps(monkeypatch, capsys, flags)
     assert "Decode.  median latency" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("flags", [[], ["--cuda-graph-max-bs", "4"], ["--max-running-requests", "8"]])
+@pytest.mark.parametrize("batch_size", ["12", "300"])
+def test_bench_latency_lets_its_largest_batch_run_in_a_graph(monkeypatch, flags, batch_size):
+    """A batch runs in the graph of its bucket (12 in 16's): with the limits raised only to 12, the
+    largest graph was 8's, and batch 12 was timed eagerly under "CUDA graphs on" (300 past 256 too)."""
+    from nano import bench_latency
+    from nano.forward_batch import batch_bucket
+
+    class Built(Exception):
+        pass
+
+    def build_engine(args, *rest, **overrides):
+        raise Built(args)
+
+    monkeypatch.setattr(bench_latency, "build_engine", build_engine)
+    with pytest.raises(Built) as built:
+        bench_latency.run(bench_latency.build_parser().parse_args(["--device", "cpu", "--input-len", "8",
+                                                                   "--batch-size", "1", batch_size, *flags]))
+    args = built.value.args[0]
+    bucket = batch_bucket(int(batch_size))
+    assert args.max_running_requests >= bucket and (args.cuda_graph_max_bs or bucket) >= bucket
+
+
 def test_bench_latency_refuses_a_request_past_the_context_before_building_the_engine(monkeypatch, capsys):
     """--input-len 100000 on smollm2-135m (a context of 8192) sized a 4 GiB KV cache, then refused."""
     from nano import bench_latency
