@@ -520,6 +520,35 @@ def test_an_engine_that_dies_fails_what_it_held_and_what_comes_later(tiny_model,
         assert status == 503 and reply["status"] == "engine process exited", reply
 
 
+def test_a_request_submitted_as_the_engine_dies_gets_the_500_too(capsys):
+    """The reader thread finds the engine's process dead between submit's check that it is alive and
+    its stream's entry (here the reader's whole run happens there): the streams to fail are read on
+    the event loop, where submit runs, after it. Read on the reader thread, that one waited for ever."""
+    from nano.engine_process import Ready, Stream
+    from nano.sampling import SamplingParams
+
+    class Worker:  # the engine's process: alive at submit's check, dead by the time the reader looks
+        exitcode, checks = 1, 0
+
+        def is_alive(self):
+            self.checks += 1
+            if self.checks > 1:  # the reader's look
+                return False
+            client._read()  # submit's check: the reader runs to its end in it
+            return True
+
+    outbox, callbacks = queue.Queue(), []
+    outbox.put(Ready(vocab_size=100, eos_token_ids=[0], context_length=64, state={}))
+    client = EngineClient(queue.Queue(), outbox, Worker())
+    client.loop = type("Loop", (), {"call_soon_threadsafe": lambda self, *call: callbacks.append(call)})()
+    stream = Stream([5, 6, 7], SamplingParams(max_new_tokens=2), set())
+    client.submit(stream)
+    for callback, *args in callbacks:  # the event loop's turn, after submit
+        callback(*args)
+    assert stream.events.get_nowait().status == 500 and not client.streams
+    assert "the engine process exited" in capsys.readouterr().err
+
+
 @contextmanager
 def stream_holding_the_only_row(url):
     """A streamed request of 4,000 tokens, running: it holds an engine's only row for far longer
