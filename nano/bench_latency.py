@@ -22,7 +22,8 @@ import math
 import statistics
 import time
 
-from nano.cli import SHAPES, ArgumentParser, UsageError, add_engine_args, build_engine, cli, resolve_model_or_shape
+from nano.cli import (SHAPES, ArgumentParser, UsageError, add_engine_args, build_engine, cli, engine_config,
+                      resolve_model_or_shape)
 from nano.config import load_config
 from nano.forward_batch import batch_bucket
 
@@ -113,6 +114,7 @@ def run(args):
                          "steps are not timed)")
     if args.peak_bandwidth is not None and not 0 < args.peak_bandwidth < math.inf:
         raise UsageError(f"--peak-bandwidth must be a positive number of GB/s, got {args.peak_bandwidth}")
+    engine_config(args)  # the engine's flags checked as every command checks them, before they are read here
     model_dir = resolve_model_or_shape(args, default_shape=True)
     per_request, max_bs = args.input_len + args.output_len, max(args.batch_size)
     # longer than the model's context: refused before the weights load and a KV cache of that size fills memory

@@ -286,6 +286,7 @@ def test_bench_latency_lets_its_largest_batch_run_in_a_graph(monkeypatch, flags,
         raise Built(args)
 
     monkeypatch.setattr(bench_latency, "build_engine", build_engine)
+    monkeypatch.setattr(bench_latency, "engine_config", lambda args: None)  # a GPU's flags, checked on CPU
     with pytest.raises(Built) as built:
         bench_latency.run(bench_latency.build_parser().parse_args(["--device", "cpu", "--input-len", "8",
                                                                    "--batch-size", "1", batch_size, *flags]))
@@ -438,6 +439,8 @@ def test_help_shows_defaults_and_examples(module):
     (["--device", "cpu", "--tp-size", "2"], "splits the model over GPUs, and this run has none"),
     (["--device", "cpu", "--threads", "0"], "--threads must be > 0"),
     (["--device", "cpu", "--threads", "100000"], "--threads 100000: this process may run on"),  # torch crashed on it
+    (["--device", "cpu", "--context-length", "-1"], "--context-length must be > 0"),  # "the context holds -1"
+    (["--device", "cpu", "--max-running-requests", "-5"], "--max-running-requests must be > 0"),  # raised silently
 ])
 def test_bad_engine_flags(flags, fragment):
     """Flag errors come before any model is loaded (a batch that does not fit the KV cache once it is
