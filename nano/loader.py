@@ -134,15 +134,19 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _layout_name(name: str, layout: dict, loaded: set) -> str | None:
-    """The layout entry checkpoint tensor `name` fills, or None to skip it. A tied model's lm_head.weight
-    fills the embedding while the checkpoint has given none: safetensors' save_model keeps that name of
-    the two shared tensors, and transformers ties them either way. An embedding read later wins."""
+def _layout_name(name: str, layout: dict, file: Path) -> str | None:
+    """The layout entry checkpoint tensor `name` fills, or None for one that is no weight. A tied model's
+    lm_head.weight fills the embedding: safetensors' save_model keeps that name of the two shared tensors.
+    A checkpoint may hold both; then they must be equal (transformers 5 unties two that differ, vLLM
+    takes the embedding: the answer would depend on the engine)."""
     if name in layout:
         return name
-    if name == "lm_head.weight" and EMBEDDING not in loaded:  # (not in the layout: the model is tied)
+    if name == "lm_head.weight" and EMBEDDING in layout:  # (not in the layout: the model is tied)
         return EMBEDDING
-    return None
+    if name.endswith((".weight", ".bias")):  # say a qwen2 model_type under Llama's architecture: its biases
+        raise WeightError(f"{file.name}: tensor {name} has no place in the model config.json describes (is "
+                          "its architecture the checkpoint's?)")
+    return None  # e.g. rotary_emb.inv_freq, computed, not read
 
 
 def _load_safetensors(model: CausalLM, model_dir: Path, shard_of):
@@ -154,9 +158,8 @@ def _load_safetensors(model: CausalLM, model_dir: Path, shard_of):
             try:
                 with safe_open(path, framework="pt", device="cpu") as f:
                     for stored_name in f.keys():
-                        name = _layout_name(stored_name, layout, loaded)
-                        if name is None:
-                            continue  # e.g. rotary_emb.inv_freq, or lm_head of a tied model with its embedding
+                        if (name := _layout_name(stored_name, layout, path)) is None:
+                            continue
                         param, index = layout[name]
                         target, shard = param.data[index], shard_of(name)
                         stored, expected = f.get_slice(stored_name), _full_shape(target, shard)
@@ -164,7 +167,13 @@ def _load_safetensors(model: CausalLM, model_dir: Path, shard_of):
                             raise WeightError(f"{path.name}: tensor {stored_name} has shape {stored.get_shape()}, "
                                               f"expected {expected}")
                         tensor = stored[_block(shard, expected)]  # reads only this rank's block
-                        target.copy_(model.prepare_checkpoint_tensor(name, tensor).to(device))
+                        tensor = model.prepare_checkpoint_tensor(name, tensor).to(device, target.dtype)
+                        if name in loaded:  # a tied lm_head beside its embedding, or a tensor in two files
+                            if not torch.equal(target, tensor):
+                                raise WeightError(f"{path.name}: tensor {stored_name} differs from the {name} "
+                                                  "read before it: which one is the model's?")
+                            continue
+                        target.copy_(tensor)
                         loaded.add(name)
                         bar.update(target.nbytes)
             except WeightError:

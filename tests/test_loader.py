@@ -57,6 +57,41 @@ def test_tied_checkpoint_with_lm_head_only(tmp_path):
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
+def test_tensors_read_twice_must_agree_and_every_weight_has_a_place(tmp_path):
+    """A tied config whose checkpoint also holds an lm_head.weight: equal to the embedding it loads (in
+    either order of the files); different, transformers 5 unties the two and vLLM takes the embedding,
+    so it is refused, as is a tensor in two files that differ. A weight the model has no place for (a
+    qwen2 model_type's q/k/v biases under Llama's architecture) was skipped, the logits silently wrong."""
+    import json
+
+    hf_model = save_tiny_llama(tmp_path, "gqa4-tied")
+    cfg = load_config(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    (tmp_path / "model.safetensors").unlink()
+    embedding = tensors["model.embed_tokens.weight"]
+    prompt = random_prompts([20], cfg.vocab_size)[0]
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([prompt])).logits[0, -1]
+    for first, second in (("a", "b"), ("b", "a")):  # the lm_head's file read first, then second
+        save_file({"lm_head.weight": embedding.clone()}, tmp_path / f"{first}.safetensors")
+        save_file(tensors, tmp_path / f"{second}.safetensors")
+        got = prefill_logits(load_model(cfg, tmp_path, "cpu", torch.float32), cfg, prompt, torch.float32)
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+        save_file({"lm_head.weight": embedding + 0.01}, tmp_path / f"{first}.safetensors")
+        with pytest.raises(WeightError, match=r"^\S+: tensor \S+ differs from the model.embed_tokens.weight read"):
+            load_model(cfg, tmp_path, "cpu", torch.float32)
+    name = "model.norm.weight"
+    save_file({name: tensors[name] * 2}, tmp_path / "b.safetensors")  # a.safetensors holds the model
+    with pytest.raises(WeightError, match=f"b.safetensors: tensor {name} differs"):
+        load_model(cfg, tmp_path, "cpu", torch.float32)
+    save_file({"model.layers.0.self_attn.q_proj.bias": torch.randn(cfg.num_heads * cfg.head_dim)},
+              tmp_path / "b.safetensors")
+    config = json.loads((tmp_path / "config.json").read_text()) | {"model_type": "qwen2"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(WeightError, match="b.safetensors: tensor model.layers.0.self_attn.q_proj.bias has no place"):
+        load_model(load_config(tmp_path), tmp_path, "cpu", torch.float32)
+
+
 def test_shards_without_an_index_and_malformed_folders(tmp_path):
     """transformers reads every *.safetensors of a folder that has no index; a folder with no weights,
     or an index whose weight_map is not a dict of file names, is one WeightError line."""
