@@ -121,8 +121,7 @@ def run(args):
     if per_request > (context := args.context_length or load_config(model_dir).max_position_embeddings):
         raise UsageError(f"{args.input_len} + {args.output_len} tokens per request do not fit: the context "
                          f"holds {context} tokens")
-    # graphs are captured for buckets (12 runs in the graph of 16): both limits admit the largest's, else
-    # that batch runs eagerly under a header that says "CUDA graphs on"
+    # graphs are of buckets (12 runs in 16's): else the largest batch ran eagerly under "CUDA graphs on"
     graph_bs = batch_bucket(max_bs)
     args.max_running_requests = max(args.max_running_requests, graph_bs)
     if args.cuda_graph_max_bs is not None:
