@@ -218,3 +218,15 @@ def test_qwen_sliding_window_edges():
     with pytest.raises(ConfigError, match="sliding_window 64 is shorter"):
         parse_config(raw)
     parse_config(raw_config("Mistral", "v4", num_attention_heads=4, sliding_window=256))  # the context: 256
+
+
+def test_rope_scaling_added_to_a_v5_config_keeps_its_theta():
+    """Qwen2.5's card adds a `rope_scaling` of YaRN by hand, with no theta in it; in a config that
+    transformers 5 wrote, the theta (1e6) is in `rope_parameters`. transformers 5.25 takes the
+    `rope_scaling` whole and falls back to a theta of 10000, a model other than the one trained; nano
+    keeps the 1e6, the hand-added scaling on top of it."""
+    raw = raw_config("Qwen2", "v5", num_attention_heads=4, rope_parameters={"rope_type": "default",
+                                                                             "rope_theta": 1e6})
+    raw["rope_scaling"] = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
+    cfg = parse_config(raw)
+    assert cfg.rope_theta == 1e6 and cfg.rope_scaling["rope_type"] == "yarn" and cfg.rope_scaling["factor"] == 4.0
