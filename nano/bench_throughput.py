@@ -79,7 +79,8 @@ def build_parser() -> ArgumentParser:
                    help="prompt lengths, uniform in [MIN, MAX]")
     p.add_argument("--output-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"),
                    help="output lengths, uniform in [MIN, MAX]")
-    p.add_argument("--peer-prompts", type=int, default=64, help="requests for the HF peer (0: no peer)")
+    p.add_argument("--peer-prompts", type=int, default=64,
+                   help="requests for the HF transformers peer, on a GPU only (0: no peer)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and lengths")
     add_engine_args(p)
     return p

@@ -60,7 +60,8 @@ def add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--max-total-tokens", type=int, help="KV cache size in tokens (overrides --mem-fraction)")
     p.add_argument("--max-running-requests", type=int, default=default.max_running_requests,
                    help="requests decoded together at most")
-    p.add_argument("--context-length", type=int, help="tokens per request; default: the model's")
+    p.add_argument("--context-length", type=int,
+                   help="tokens per request; default: the model's, or the KV cache's if smaller")
     p.add_argument("--disable-mla", action="store_true", help="DeepSeek: plain multi-head attention, expanded K/V")
     p.add_argument("--disable-cuda-graph", action="store_true", help="decode without CUDA graphs on GPU")
     p.add_argument("--cuda-graph-max-bs", type=int, help="largest decode batch in a CUDA graph, rounded down "
