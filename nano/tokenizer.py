@@ -56,8 +56,11 @@ class Tokenizer:
             self._tokenizer = HFTokenizer.from_file(str(tokenizer_file))
         except Exception as e:  # the Rust library raises a bare Exception for a malformed file
             raise TokenizerError(f"{tokenizer_file}: cannot be read ({e})") from None
-        # older folders name BOS and EOS only in special_tokens_map.json: HF reads it for what the config lacks
-        config = _read_json(model_dir / "special_tokens_map.json") | _read_json(model_dir / "tokenizer_config.json")
+        # older folders name BOS and EOS in special_tokens_map.json, which wins over the config in HF; a config
+        # that lists its added tokens is newer, and HF 5 reads it alone (here the map fills only its gaps)
+        config = _read_json(model_dir / "tokenizer_config.json")
+        token_map = _read_json(model_dir / "special_tokens_map.json")
+        config = token_map | config if "added_tokens_decoder" in config else config | token_map
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         self.bos_token_id = self._tokenizer.token_to_id(self.bos_token) if self.bos_token else None

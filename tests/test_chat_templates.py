@@ -77,13 +77,18 @@ def test_qwen25_folder_tokens(qwen25_folder):
     assert tokenizer.bos_token is None and tokenizer.eos_token_ids == [hf.convert_tokens_to_ids("<|im_end|>")]
 
 
-def test_a_legacy_folder_with_generation_tags_renders_as_hf(smollm2_dir, tmp_path):
-    """BOS and EOS named only in special_tokens_map.json (older folders), and a template that marks the
-    assistant's turns with `{% generation %}` (training templates): rendered as HF renders them."""
+@pytest.mark.parametrize("config_says", [None, "<|endoftext|>"])
+def test_a_legacy_folder_with_generation_tags_renders_as_hf(smollm2_dir, tmp_path, config_says):
+    """BOS and EOS named in special_tokens_map.json (older folders), which HF lets win over what the
+    config says, and a template that marks the assistant's turns with `{% generation %}` (training
+    templates): rendered as HF renders them, with HF's stop ids (the config's won: another EOS)."""
     shutil.copy(smollm2_dir / "tokenizer.json", tmp_path / "tokenizer.json")
     config = json.loads((smollm2_dir / "tokenizer_config.json").read_text())
+    assert "added_tokens_decoder" not in config
     for key in ("bos_token", "eos_token"):
         del config[key]
+        if config_says:
+            config[key] = config_says
     config["chat_template"] = (
         "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}"
         "{{ m['content'] + eos_token }}{% endgeneration %}{% else %}{{ m['role'] + ': ' + m['content'] + '\n' }}"
