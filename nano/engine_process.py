@@ -315,8 +315,9 @@ class EngineClient:
         self._drop_inbox()
         print(f"error: the engine process exited (exit code {getattr(self.worker, 'exitcode', None)}); "
               "every request fails from now on", file=sys.stderr, flush=True)
-        error = APIError(500, "the engine process exited; see the server log")  # the streams read on the loop,
-        self.loop.call_soon_threadsafe(lambda: self._deliver([(sid, error) for sid in self.streams]))  # like submit
+        error = APIError(500, "the engine process exited; see the server log")
+        # which streams to fail is read on the loop, where submit adds them: none slips in between
+        self.loop.call_soon_threadsafe(lambda: self._deliver([(sid, error) for sid in self.streams]))
 
     def _deliver(self, events: list):
         for sid, event in events:
