@@ -24,12 +24,16 @@ from typing import Annotated, Literal
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
+from starlette.requests import ClientDisconnect
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from nano.engine_process import APIError
 from nano.sampling import MAX_LOGPROBS, SamplingParams
 
 MAX_BODY_BYTES = 4 << 20  # a context's worth of text or token ids is far less
+# a client that sends part of a body, then nothing, would hold its connection for ever, and a stop
+# (SIGTERM) waits for every connection to close
+BODY_SECONDS = 30
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions; chat runs to the context
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # "\ud800": JSON's only way to a lone surrogate
 MAX_CHOICES = 128  # n at most, as OpenAI's API
@@ -180,10 +184,16 @@ async def read_json(http: HTTPRequest) -> dict:
     if int(http.headers.get("content-length") or 0) > MAX_BODY_BYTES:
         raise too_large
     body = bytearray()
-    async for chunk in http.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise too_large
+    try:
+        async with asyncio.timeout(BODY_SECONDS):
+            async for chunk in http.stream():
+                body += chunk
+                if len(body) > MAX_BODY_BYTES:
+                    raise too_large
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {BODY_SECONDS} s") from None
+    except ClientDisconnect:  # gone mid-body: nobody reads the answer, and it is no server error to log
+        raise APIError(499, "the client closed the connection") from None
     try:
         data = json.loads(body)
         if SURROGATE_ESCAPE.search(body):  # a quick scan first: re-encoding a large body takes milliseconds

@@ -520,6 +520,29 @@ def test_an_engine_that_dies_fails_what_it_held_and_what_comes_later(tiny_model,
         assert status == 503 and reply["status"] == "engine process exited", reply
 
 
+def test_a_body_that_stops_coming_is_a_408_and_one_cut_off_no_traceback(tiny_model, monkeypatch, capfd):
+    """A client that sends part of its body, then nothing, held its connection for ever, and a stop
+    (SIGTERM) waited on it without end; one that hangs up mid-body logged a traceback."""
+    import socket
+
+    from nano import api
+
+    monkeypatch.setattr(api, "BODY_SECONDS", 0.5)
+    engine = Engine(tiny_model, EngineConfig(max_total_tokens=256, log=False))
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+    with in_process_server(engine, None) as (url, _):
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as slow:
+            slow.sendall(head + b'{"prompt": [1,')
+            answer = slow.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 408") and b"did not arrive within 0.5 s" in answer, answer
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as gone:
+            gone.sendall(head + b'{"prompt": [1,')
+        time.sleep(0.3)
+        assert call(url, "/v1/completions", dict(prompt=[5, 6, 7], max_tokens=2))[0] == 200
+    assert "Traceback" not in capfd.readouterr().err
+
+
 def test_a_request_submitted_as_the_engine_dies_gets_the_500_too(capsys):
     """The reader thread finds the engine's process dead between submit's check that it is alive and
     its stream's entry (here the reader's whole run happens there): the streams to fail are read on
