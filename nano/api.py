@@ -24,8 +24,8 @@ from typing import Annotated, Literal
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
-from starlette.requests import ClientDisconnect
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from starlette.requests import ClientDisconnect
 
 from nano.engine_process import APIError
 from nano.sampling import MAX_LOGPROBS, SamplingParams
