@@ -15,7 +15,8 @@ shapes. So the runner
 - replays the graph of the real batch's bucket and slices the outputs back.
 Nothing inside the captured forward may synchronise with the host or depend on tensor values for
 a shape: the attention backend computes its per-batch metadata on the device for that reason.
-Prefill (extend) and batches above max_bs run eagerly.
+Prefill (extend) and batches above the largest bucket within max_bs run eagerly (a limit of 20
+captures 1..16), as in SGLang and vLLM, whose captured sizes also stop at their batch limit.
 """
 
 import sys

@@ -85,7 +85,8 @@ class EngineConfig:
     cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None  # default: max_running_requests
     radix_cache: bool = True
-    max_prefill_tokens: int = 16384  # prompt tokens one extend pass computes at most
+    # prompt tokens one extend pass computes at most (chunking off: a longer prompt runs alone)
+    max_prefill_tokens: int = 16384
     chunked_prefill_size: int | None = None  # 0 or -1: off; None: the device's (CHUNK_SIZES)
     threads: int | None = None  # CPU: torch's threads; None: CPU_THREADS (see its comment)
     overlap: bool = True

@@ -2,9 +2,10 @@
 
 Every step the engine asks it one question: prefill (admit waiting requests, or the next chunk of
 a long prompt) or decode (one token for every running request)? A request moves through explicit
-states: WAITING in the queue -> PREFILLING while a chunked prompt is part-way -> RUNNING, one token
-per decode step -> FINISHED (EOS, a stop id, its budget, or an abort). A RETRACTED request was
-admitted and gave its room back; it waits at the front of the queue with its tokens kept.
+states: WAITING in the queue -> PREFILLING until its prompt is computed (between steps, only a
+chunked prompt is part-way) -> RUNNING, one token per decode step -> FINISHED (EOS, a stop id, its
+budget, or an abort). A RETRACTED request was admitted and gave its room back; it waits at the
+front of the queue with its tokens kept.
 
 Admission is a bet. A request's output length is unknown until it stops, and most stop long
 before their budget (a chat request without `max_tokens` may run to the whole context). Reserving
@@ -66,7 +67,7 @@ def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int
 
 class Status(Enum):
     WAITING = "waiting"  # queued, holding nothing
-    PREFILLING = "prefilling"  # admitted; its prompt is part-way through chunked prefill
+    PREFILLING = "prefilling"  # admitted, its prompt not yet all computed (a chunked one: between steps)
     RUNNING = "running"  # decoding, one token per decode step
     RETRACTED = "retracted"  # queued again to make room, its tokens kept
     FINISHED = "finished"

@@ -128,7 +128,7 @@ class TensorParallel:
         on_gpu = device.type == "cuda"
         if on_gpu:
             torch.cuda.set_device(device)  # Triton launches and graph capture use the current device
-        if rank == 0:  # from before the rendezvous, which waits 30 minutes for a worker that died before it joined
+        if rank == 0:  # from before the rendezvous, which waits out the group's timeout (NCCL 10 min, gloo 30)
             threading.Thread(target=self._exit_if_a_worker_dies, daemon=True).start()
         try:
             dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}",
@@ -286,7 +286,8 @@ def launch(cfg: ModelConfig, size: int, device: torch.device, worker) -> TensorP
 def _run_worker(outlives_sigterm: bool, hears_ctrl_c: bool, worker, *args):
     """A worker outlives SIGTERM where rank 0 does: the server's engine process lets its requests finish first
     (engine_process.py), and a service manager's SIGTERM reaches every process of the service. It never outlives
-    rank 0 (killed, or ended by os._exit, which stops no child): it would wait in the rendezvous for 30 minutes."""
+    rank 0 (killed, or ended by os._exit, which stops no child): it would wait in the rendezvous for the group's
+    timeout (NCCL's 10 minutes, gloo's 30)."""
     if outlives_sigterm:
         signal.signal(signal.SIGTERM, lambda *_: None)
     if hears_ctrl_c:  # (past the imports: run_tp_worker ends quietly on it)
