@@ -260,20 +260,17 @@ class Engine:
 
     def _prefill(self, chunks: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
         reqs, lens = [r for r, _ in chunks], [n for _, n in chunks]
-        slots = self.scheduler.alloc_slots(sum(lens))
-        for req, n, req_slots in zip(reqs, lens, slots.split(lens)):
-            self.req_to_token_pool.req_to_token[req.row, req.prefilled : req.prefilled + n] = req_slots
-        batch = ForwardBatch.extend([t for r, n in chunks for t in r.fill_ids[r.prefilled : r.prefilled + n]],
-                                    [r.prefilled for r in reqs], lens, [r.row for r in reqs], slots, self.device)
-        logit_rows, ends = self._logit_rows(chunks)
-        if len(logit_rows) > len(chunks):
-            batch.logit_rows = to_device(logit_rows, torch.int64, self.device)
-        try:
+        # step() ends these requests, and a release gives back what they held before this pass
+        with self.scheduler.new_slots(sum(lens)) as slots:  # (and these, if it raises)
+            for req, n, req_slots in zip(reqs, lens, slots.split(lens)):
+                self.req_to_token_pool.req_to_token[req.row, req.prefilled : req.prefilled + n] = req_slots
+            batch = ForwardBatch.extend([t for r, n in chunks for t in r.fill_ids[r.prefilled : r.prefilled + n]],
+                                        [r.prefilled for r in reqs], lens, [r.row for r in reqs], slots, self.device)
+            logit_rows, ends = self._logit_rows(chunks)
+            if len(logit_rows) > len(chunks):
+                batch.logit_rows = to_device(logit_rows, torch.int64, self.device)
             logits = self.forward(batch)
             self._prompt_logprobs(chunks, logits, ends)
-        except BaseException:  # step() ends these requests, and a release gives back what they
-            self.slots.free(slots)  # held before this pass: the slots it took for them go back here
-            raise
         if not (done := self.scheduler.prefilled(chunks)):
             return []
         logits = logits[[ends[i] - 1 for i, r in enumerate(reqs) if r in done]]  # each request's last token
@@ -321,19 +318,19 @@ class Engine:
     def _launch_decode(self, reqs: list[Request], prev: DecodePass | None) -> DecodePass:
         """A pass whose input ids are the pass in flight's tokens, still on the device, for the
         requests it holds (their new token sits one position further than the host has counted)."""
-        slots = self.scheduler.alloc_slots(len(reqs))
-        seq_lens = [r.num_tokens + r.in_flight for r in reqs]  # the new token's position is seq_len - 1
-        if prev is None:
-            input_ids = [r.output_ids[-1] for r in reqs]
-        elif len(reqs) == len(prev.reqs):  # the same requests in the same order
-            input_ids = prev.tokens
-        else:
-            kept = set(reqs)
-            rows = [i for i, r in enumerate(prev.reqs) if r in kept]
-            input_ids = prev.tokens[to_device(rows, torch.int64, self.device)]
-        batch = ForwardBatch.decode(input_ids, seq_lens, [r.row for r in reqs], slots, self.device)
-        self.req_to_token_pool.req_to_token[batch.req_pool_indices, batch.positions] = slots
-        for req in reqs:
+        with self.scheduler.new_slots(len(reqs)) as slots:  # given back if the batch cannot be built
+            seq_lens = [r.num_tokens + r.in_flight for r in reqs]  # the new token's position is seq_len - 1
+            if prev is None:
+                input_ids = [r.output_ids[-1] for r in reqs]
+            elif len(reqs) == len(prev.reqs):  # the same requests in the same order
+                input_ids = prev.tokens
+            else:
+                kept = set(reqs)
+                rows = [i for i, r in enumerate(prev.reqs) if r in kept]
+                input_ids = prev.tokens[to_device(rows, torch.int64, self.device)]
+            batch = ForwardBatch.decode(input_ids, seq_lens, [r.row for r in reqs], slots, self.device)
+            self.req_to_token_pool.req_to_token[batch.req_pool_indices, batch.positions] = slots
+        for req in reqs:  # from here a release gives these slots back
             req.in_flight += 1
         return self._launch_sampling(reqs, self.forward(batch))
 

@@ -39,6 +39,7 @@ requests a decode step, so their streams keep moving one chunk's time apart.
 
 import math
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -180,8 +181,8 @@ class Scheduler:
                 extend = min(extend, budget)
             need = self.expected_need(req)
             if committed + need > self.free_room or (chunks and extend > budget):
-                self._release(req)  # undo: it waits for room
-                req.status = Status.RETRACTED if again else Status.WAITING
+                self._release(req)  # undo: it waits for room, holding nothing
+                req.status, req.prefilled = Status.RETRACTED if again else Status.WAITING, 0
                 break
             self.waiting.popleft()
             if again:  # admitted again after a retraction: what it computes again
@@ -208,7 +209,8 @@ class Scheduler:
         row = self.req_to_token_pool.alloc()
         if row is None:
             return False
-        req.row, req.cached_len, req.status = row, 0, Status.PREFILLING
+        # prefilled too: what a release gives back, should the match below fail (a row with none of its K/V)
+        req.row, req.cached_len, req.prefilled, req.status = row, 0, 0, Status.PREFILLING
         if self.prefix_cache is not None:
             req.prefix_node = self.prefix_cache.root  # held from here on: what a release of req unlocks
             slots, node = self.prefix_cache.match(req.fill_ids[: 0 if req.wants_prompt_logprobs else -1])
@@ -304,9 +306,16 @@ class Scheduler:
         self.req_to_token_pool.free(req.row)
         req.row = -1
 
-    def alloc_slots(self, n: int) -> torch.Tensor:
-        """n slots; cached ones are evicted when the allocator runs short (the scheduler made sure
-        that enough are free or evictable)."""
+    @contextmanager
+    def new_slots(self, n: int):
+        """n slots for a pass, given back if it raises before its requests count them as theirs (in
+        prefilled or in_flight, which a release gives back). Cached ones are evicted when the allocator
+        runs short (the scheduler made sure that enough are free or evictable)."""
         if self.prefix_cache is not None and self.slots.available < n:
             self.prefix_cache.evict(n - self.slots.available)
-        return self.slots.alloc(n)
+        slots = self.slots.alloc(n)
+        try:
+            yield slots
+        except BaseException:
+            self.slots.free(slots)
+            raise

@@ -223,6 +223,69 @@ def test_a_caller_stepping_on_after_a_pass_raised_sees_its_requests_end(tmp_path
     assert len(engine.req_to_token_pool.free_rows) == engine.config.max_running_requests
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("builder, failing_call", [("extend", 1), ("decode", 2)])
+def test_a_pass_that_raises_while_its_batch_is_built_gives_back_its_slots(tmp_path, monkeypatch, builder,
+                                                                        failing_call, overlap):
+    """A fault between a pass's slot allocation and its forward (the batch's host-to-device copies, the
+    request table's write, Ctrl-C there): the slots it took go back. Before, they were taken before the
+    engine's try began (prefill) or before in_flight counted them (decode), and leaked."""
+    from nano.forward_batch import ForwardBatch
+
+    save_tiny_llama(tmp_path, "gqa")
+    engine = Engine(tmp_path, EngineConfig(max_total_tokens=64, overlap=overlap, log=False))
+    real_build, calls = getattr(ForwardBatch, builder), []
+
+    def build(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == failing_call:
+            raise RuntimeError("injected fault")
+        return real_build(*args, **kwargs)
+
+    monkeypatch.setattr(ForwardBatch, builder, build)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    reqs = [engine.add_request(p, params) for p in random_prompts([5, 7], LLAMA_TINY["vocab_size"], seed=4)]
+    steps, errors = 0, 0
+    while engine.has_work() and steps < 50:
+        steps += 1
+        try:
+            engine.step()
+        except RuntimeError:
+            errors += 1
+    assert errors == 1 and all(r.finished for r in reqs)
+    assert engine.slots.available + engine.prefix_cache.size == 64 and engine.prefix_cache.locked_size == 0
+
+
+def test_a_request_turned_away_for_room_then_failing_its_admission_gives_back_nothing_twice(tmp_path):
+    """A request admitted on a cached prefix, then turned away for lack of room, kept that prefix's
+    length as `prefilled`; when its next admission failed in the match, its release put the row's stale
+    slots, long since evicted and handed to another request, into the tree again: one slot owned twice."""
+    save_tiny_llama(tmp_path, "gqa")
+    engine = Engine(tmp_path, EngineConfig(max_total_tokens=64, chunked_prefill_size=0, log=False))
+    cached, other = random_prompts([20, 10], LLAMA_TINY["vocab_size"], seed=8)
+    engine.generate([cached], SamplingParams(max_new_tokens=2, ignore_eos=True))  # the tree holds it
+    runner = engine.add_request(other, SamplingParams(max_new_tokens=50, ignore_eos=True))
+    engine.step()
+    turned_away = engine.add_request(cached + [7], SamplingParams(max_new_tokens=20, ignore_eos=True))
+    engine.scheduler.new_token_ratio = 1.0  # the estimate says: no room for it
+    engine.step()
+    assert turned_away.status is Status.WAITING
+    while engine.prefix_cache.match(cached)[0].numel() and not runner.finished:  # until the runner evicts it
+        engine.scheduler.new_token_ratio = 1.0
+        engine.step()
+    assert not runner.finished
+
+    def match(tokens):
+        raise RuntimeError("injected fault")
+
+    engine.prefix_cache.match = match
+    with pytest.raises(RuntimeError):
+        engine.step()  # which ends every request it held
+    del engine.prefix_cache.match
+    engine.prefix_cache.evict(64)
+    assert sorted(engine.slots.free_slots.tolist()) == list(range(1, 65))  # each slot once, none in the tree
+
+
 @pytest.mark.parametrize("radix_cache", [False, True])
 def test_a_sampler_that_raises_after_a_prefill_gives_back_every_slot(tmp_path, monkeypatch, radix_cache):
     """The pass computed the prompts' K/V, then sampling their first tokens failed: the requests count as
