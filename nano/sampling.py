@@ -109,9 +109,10 @@ def _top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
     kth = sorted_probs.gather(-1, (top_k.clamp(max=vocab) - 1)[:, None])
     sorted_probs = sorted_probs * (sorted_probs >= kth)
     # then top-p over the k left, renormalised (HF's and vLLM's order): keep a token while the mass
-    # before it is below p; the likeliest always stays (a p below float32's range reads as 0)
+    # before it is below p; the likeliest always stays (a p below float32's range reads as 0), and so
+    # does every token at p = 1 (float32's cumsum reaches the sum before the tail of the vocabulary ends)
     mass_before = (sorted_probs.cumsum(dim=-1) - sorted_probs) / sorted_probs.sum(dim=-1, keepdim=True)
-    sorted_probs = sorted_probs * ((mass_before < top_p[:, None]) | (rank[None, :] == 0))
+    sorted_probs = sorted_probs * ((mass_before < top_p[:, None]) | (rank[None, :] == 0) | (top_p[:, None] >= 1))
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
 

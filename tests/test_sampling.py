@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from nano.sampling import SamplingParams, sample
+from nano.sampling import SamplingParams, _top_k_top_p, sample
 
 
 def draw(logits, params, n, seed=0):
@@ -120,3 +120,15 @@ def test_top_k_keeps_the_tokens_tied_with_the_kth_as_hf_does():
     tied = torch.log(torch.tensor([[0.5, 0.2, 0.2, 0.1]]))
     counts = torch.bincount(draw(tied, [SamplingParams(temperature=1.0, top_k=2)], 3000)[:, 0], minlength=4)
     assert counts[3] == 0 and abs(counts[2] / 3000 - 2 / 9) < 0.03  # .2 of the .9 kept
+
+
+def test_a_request_without_truncation_keeps_its_whole_vocabulary_beside_one_with_it():
+    """A row at top_p 1 beside a row with top-k goes through the same sort and cumsum: float32's running
+    mass reached the sum before the vocabulary's tail, and the tail's tokens (44 of 128,256 here, each
+    about 8e-9 likely) could never be drawn in that batch, where alone they could."""
+    vocab = 128256
+    logits = torch.full((vocab,), -17.3)
+    logits[0], logits[1:50] = 0.0, torch.linspace(-1, -8, 49)
+    probs = torch.softmax(logits, -1)
+    kept = _top_k_top_p(torch.stack([probs, probs]), [SamplingParams(), SamplingParams(top_k=5)])
+    assert torch.equal(kept[0], probs) and (kept[1] > 0).sum() == 5
