@@ -121,7 +121,7 @@ async def send(session, url: str, model: str, prompt, output_len: int, context: 
                     if context is not None and result.read_tokens >= output_len:
                         result.prompt_tokens, result.output_tokens = len(prompt), result.read_tokens
                         break  # the user has read enough: closing the connection aborts the request
-    except aiohttp.ClientError as e:
+    except (aiohttp.ClientError, ValueError, LookupError) as e:  # ValueError, LookupError: a line not in this shape
         result.error = f"{type(e).__name__}: {e}"
         return result
     result.latency = last - started
@@ -140,9 +140,9 @@ async def send_all(session, args, prompts, model: str) -> tuple[list[Result], fl
             return await send(session, args.base_url, model, prompt, output_len, args.context)
 
     started, tasks = time.perf_counter(), []
-    for prompt, output_len in prompts:
+    for i, (prompt, output_len) in enumerate(prompts):
         tasks.append(asyncio.create_task(one(prompt, output_len)))
-        if args.request_rate != float("inf"):
+        if args.request_rate != float("inf") and i < len(prompts) - 1:  # no wait after the last: not in the run
             await asyncio.sleep(rng.expovariate(args.request_rate))  # Poisson arrivals
     results = await asyncio.gather(*tasks)
     return results, time.perf_counter() - started
@@ -250,9 +250,12 @@ async def benchmark(args):
             raise UsageError(f"no server answers at {args.base_url} ({e})") from None
         prompts = make_prompts(args, card["vocab_size"])
         args.context = card["max_model_len"] if args.unknown_output_len else None
-        # one request first, untimed: the first prefill and decode may compile kernels
+        # one request first, untimed: the first prefill and decode may compile kernels. Shaped as the first
+        # prompt but differing from its first token on, so that no timed prompt finds it in a prefix cache.
         print(f"model {card['id']}: one warm-up request, then {len(prompts)} timed ...", file=sys.stderr)
-        warmup = await send(session, args.base_url, card["id"], *prompts[0], args.context)  # shaped as the rest
+        prompt, output_len = prompts[0]
+        prompt = f"Warm-up. {prompt}" if isinstance(prompt, str) else [(t + 1) % card["vocab_size"] for t in prompt]
+        warmup = await send(session, args.base_url, card["id"], prompt, output_len, args.context)
         if not warmup.ok:
             raise UsageError(f"the warm-up request failed: {warmup.error}")
         peak = {"running": 0}

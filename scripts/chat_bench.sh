@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Chat-shaped serving (scheduler.py) on a GPU machine: for each model shape, nano.serve with dummy
 # weights, then bench_serving with 256 requests sent at once, twice:
-#   exact:   each carries max_tokens = its output length (200);
-#   unknown: each asks for the whole context and the client hangs up after 200 tokens
+#   exact:   each carries max_tokens = its output length (25-200 tokens, mean 110 at 256 requests:
+#            drawn with the prompts' range ratio, 0.125, as no --random-output-range-ratio is given);
+#   unknown: each asks for the whole context and the client hangs up after its output length
 #            (bench_serving --unknown-output-len), as chat traffic without max_tokens.
 # Usage, from the repo root: OUT=/some/folder scripts/chat_bench.sh [MODEL ...] (default: llama-3.1-8b
 # deepseek-v2-lite). SERVER_DIR runs the server from another checkout (an older commit's tree), the

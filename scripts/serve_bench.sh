@@ -26,12 +26,13 @@ for _ in $(seq 900); do  # loading dummy weights and capturing CUDA graphs takes
 done
 python3 -c "import urllib.request; print(urllib.request.urlopen('$URL/health').read().decode())" | tee "$OUT/health.txt"
 
-for run in $runs; do
-  rate=${run#rate-}
+seed=0
+for run in $runs; do  # each run its own prompts: the server's prefix cache holds the last run's
+  rate=${run#rate-}; seed=$((seed + 1))
   n=${NUM_PROMPTS:-1000}; [[ $rate != inf ]] && n=${NUM_PROMPTS_AT_RATE:-$n}
   python3 -m nano.bench_serving --base-url "$URL" --num-prompts "$n" --dataset random \
     --random-input-len 1024 --random-range-ratio 0.125 --random-output-len 512 --random-output-range-ratio 0.25 \
-    --request-rate "$rate" 2>&1 | tee "$OUT/bench_$run.log"
+    --request-rate "$rate" --seed "$seed" 2>&1 | tee "$OUT/bench_$run.log"
   # the engine's own account so far: seconds and tokens of prefill and decode steps
   python3 -c "import urllib.request; print(urllib.request.urlopen('$URL/health').read().decode())" | tee -a "$OUT/bench_$run.log"
 done

@@ -757,7 +757,9 @@ def test_bench_serving_counts_every_token(server, tmp_path, capsys):
 
 def test_bench_serving_warms_up_with_a_request_shaped_as_the_timed_ones(server, monkeypatch, capsys):
     """--unknown-output-len: the warm-up asks for the whole context too (and hangs up), as every timed
-    request does; asking for its exact length instead, it warmed up another path than the one timed."""
+    request does; asking for its exact length instead, it warmed up another path than the one timed.
+    And none of the timed prompts finds the warm-up's in the prefix cache: it sent the first timed
+    prompt itself, which was then timed as a cache hit."""
     from nano import bench_serving
 
     real_send, contexts = bench_serving.send, []
@@ -767,12 +769,30 @@ def test_bench_serving_warms_up_with_a_request_shaped_as_the_timed_ones(server, 
         return await real_send(session, url, model, prompt, output_len, context)
 
     monkeypatch.setattr(bench_serving, "send", send)
+    cached_before = wait_until_idle(server)["engine"]["cached_tokens"]
     bench_serving.main(["--base-url", server, "--api-key", API_KEY, "--num-prompts", "2", "--random-input-len", "8",
-                        "--random-output-len", "3", "--unknown-output-len"])
+                        "--random-output-len", "3", "--unknown-output-len", "--seed", "11"])
     rows = dict(line.split(":", 1) for line in capsys.readouterr().out.splitlines() if ":" in line)
     assert int(rows["Successful requests"]) == 2 and int(rows["Failed requests"]) == 0
     assert contexts == [4096] * 3  # the warm-up, then the two timed
-    wait_until_idle(server)
+    assert wait_until_idle(server)["engine"]["cached_tokens"] == cached_before
+
+
+def test_bench_serving_times_no_wait_after_the_last_request(monkeypatch):
+    """At a finite rate, the wait drawn after the last request's start was counted in the run's duration
+    (1.4 s here, for one request that takes none), and so in every throughput figure."""
+    import asyncio
+    import types
+
+    from nano import bench_serving
+
+    async def send(*args):
+        return bench_serving.Result()
+
+    monkeypatch.setattr(bench_serving, "send", send)
+    args = types.SimpleNamespace(seed=1, max_concurrency=None, request_rate=0.1, base_url="", context=None)
+    results, duration = asyncio.run(bench_serving.send_all(None, args, [([1, 2], 3)], "model"))
+    assert len(results) == 1 and duration < 0.5
 
 
 def test_stats_line_leaves_out_the_time_the_engine_sat_idle(tmp_path, monkeypatch, capsys):
