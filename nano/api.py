@@ -164,7 +164,7 @@ class ChatRequest(GenerationRequest):
 class TokenizeRequest(StrictModel):  # vLLM's /tokenize: a completion's prompt or a chat's messages
     model: str | None = None
     prompt: str | list[int] | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True  # False: a text prompt's own tokens, no BOS
 
 
@@ -195,7 +195,9 @@ async def read_json(http: HTTPRequest) -> dict:
     except ClientDisconnect:  # gone mid-body: nobody reads the answer, and it is no server error to log
         raise APIError(499, "the client closed the connection") from None
     try:
-        data = json.loads(body)
+        # strictly UTF-8 (RFC 8259; a BOM is skipped): json.loads would take bytes in UTF-16 too, and
+        # UTF-8-shaped surrogates (b"\xed\xa0\x80"), text no tokenizer takes
+        data = json.loads(body.decode("utf-8-sig"))
         if SURROGATE_ESCAPE.search(body):  # a quick scan first: re-encoding a large body takes milliseconds
             json.dumps(data, ensure_ascii=False).encode()  # raises for a lone surrogate, no text a tokenizer takes
     except (ValueError, RecursionError) as e:  # JSONDecodeError, bytes or escapes that are not UTF-8, deep nesting
@@ -203,6 +205,12 @@ async def read_json(http: HTTPRequest) -> dict:
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object")
     return data
+
+
+def _where(loc: tuple) -> str:
+    """A field's place as "messages.0.content"; a key that is empty or holds a newline quoted, so the
+    message stays one line that says which key."""
+    return ".".join(part if part.isprintable() and part else json.dumps(part) for part in map(str, loc))
 
 
 def _is_off(value, off_values: tuple) -> bool:
@@ -220,7 +228,7 @@ async def parse(http: HTTPRequest, schema: type[StrictModel], model_name: str):
         body = schema.model_validate(data)
     except ValidationError as e:  # up to three of the problems, each with where it is
         errors = e.errors()
-        message = "; ".join(f"{'.'.join(map(str, err['loc']))}: " + (
+        message = "; ".join(f"{_where(err['loc'])}: " + (
             "not supported by this server" if err["type"] == "extra_forbidden" else err["msg"]) for err in errors[:3])
         raise APIError(400, message, param=str(errors[0]["loc"][0]) if errors[0]["loc"] else None) from None
     if getattr(body, "stream_options", None) and not body.stream:  # as OpenAI's API refuses it

@@ -199,6 +199,13 @@ BAD_INPUTS = [  # (path, body or raw bytes, status, param)
     ("/v1/completions", {"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400,
      "stream_options"),
     ("/v1/completions", {"prompt": "caf\udce9"}, 400, None),  # a lone surrogate: no text
+    # the same in UTF-8's shape, which json.loads took from bytes (a 500 from the tokenizer, a traceback)
+    ("/v1/completions", b'{"prompt": "caf\xed\xb3\xa9"}', 400, None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\xed\xa0\x80"}]}', 400, None),
+    ("/tokenize", b'{"prompt": "\xed\xa0\x80"}', 400, None),
+    ("/v1/completions", '{"prompt": "hi"}'.encode("utf-16"), 400, None),  # JSON between systems is UTF-8
+    ("/v1/completions", {"prompt": "hi", "a\nb": 1}, 400, "a\nb"),  # the message names the key on one line
+    ("/tokenize", {"messages": []}, 400, "messages"),  # as a chat's: no messages, no prompt
     ("/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400, None),  # deeper than json can parse
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": []}, 400, "prompt"),
