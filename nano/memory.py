@@ -5,12 +5,14 @@ halfway through loading; on the host, Linux hands out pages until it swaps or it
 the process, minutes later and with nothing printed. So the engine adds up what it is about to
 allocate (the weights, counted from the config without allocating them, and the smallest KV cache
 it can run with) and compares that with the memory free now: `torch.cuda.mem_get_info` on a GPU,
-the kernel's MemAvailable on the host (free memory plus the page cache it can reclaim), or less
-where a memory cgroup (a container's `--memory`, a systemd slice) allows less: its OOM killer ends
-the process at the cgroup's limit however much the host has free.
+the kernel's MemAvailable on the host (free memory plus the page cache it can reclaim; where the
+host has no /proc, as macOS, all of its RAM), or less where a memory cgroup (a container's
+`--memory`, a systemd slice) allows less: its OOM killer ends the process at the cgroup's limit
+however much the host has free.
 """
 
 import contextlib
+import os
 from pathlib import Path
 
 import torch
@@ -27,7 +29,7 @@ class NotEnoughMemoryError(RuntimeError):
 
 
 def free_bytes(device: torch.device) -> int | None:
-    """Bytes free on the device now; None where the host does not say (no /proc/meminfo, no cgroup limit)."""
+    """Bytes free on the device now; None where the host does not say."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     available = None
@@ -35,6 +37,9 @@ def free_bytes(device: torch.device) -> int | None:
         for line in meminfo:
             if line.startswith("MemAvailable:"):
                 available = int(line.split()[1]) * 1024  # the file counts kB
+    if available is None:  # no /proc (macOS): all the RAM there is, which a model that never fits exceeds
+        with contextlib.suppress(ValueError, OSError, AttributeError):  # (a platform without these names)
+            available = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     cgroup = cgroup_free_bytes()  # a container's limit, which /proc/meminfo does not show
     return available if cgroup is None else cgroup if available is None else min(available, cgroup)
 

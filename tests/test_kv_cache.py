@@ -153,6 +153,19 @@ def test_cpu_free_memory_is_a_containers_limit_not_the_hosts(tmp_path, monkeypat
     assert free_bytes(torch.device("cpu")) == 100 * 2**20  # of two limits, the tighter (the box's leaves 724 MiB)
 
 
+def test_a_host_without_proc_checks_the_fit_against_all_its_ram(tmp_path, monkeypatch):
+    """macOS has no /proc/meminfo and no cgroups: the fit check read None there and let any model through
+    (a petabyte of weights), to swap or be killed. All the RAM there is bounds what can ever fit."""
+    from nano import memory
+
+    monkeypatch.setattr(memory, "PROC_MEMINFO", str(tmp_path / "no-meminfo"))
+    monkeypatch.setattr(memory, "PROC_CGROUP", str(tmp_path / "no-cgroup"))
+    ram = memory.os.sysconf("SC_PHYS_PAGES") * memory.os.sysconf("SC_PAGE_SIZE")
+    assert free_bytes(torch.device("cpu")) == ram
+    with pytest.raises(memory.NotEnoughMemoryError):
+        memory.ensure_fits(torch.device("cpu"), torch.float32, {"float32 weights": 2**50})
+
+
 def test_generate_refuses_a_call_it_cannot_run_whole(tmp_path):
     """As vLLM's LLM.generate: sampling params that do not pair with the prompts are refused (zip dropped
     the prompts past them), and a bad prompt fails the call without leaving the good ones before it
