@@ -12,6 +12,7 @@ We read either into the same dataclass, so nothing downstream ever looks at raw 
 """
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +22,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 # transformers' Auto classes then go by model_type, and so do we.
 MODEL_TYPES = dict(zip(("llama", "mistral", "qwen2", "qwen3", "deepseek_v2"), SUPPORTED_ARCHITECTURES))
 KV_HEADS_DEFAULT = {"MistralForCausalLM": 8, "Qwen2ForCausalLM": 32, "Qwen3ForCausalLM": 32}  # transformers'
+MAX_SIZE = 2**31 - 1  # no width or count past this is a model (10**30 layers were built for ever)
 
 
 class ConfigError(ValueError):
@@ -104,33 +106,31 @@ def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
     def need(key):  # a size the model is built from (0 layers or -4 heads crashed later, in a traceback)
         if key not in raw or raw[key] is None:
             raise ConfigError(f"{source}: missing required field {key!r}")
-        if int(raw[key]) <= 0:
-            raise ConfigError(f"{source}: {key} must be above 0, got {raw[key]}")
-        return raw[key]
+        return _size(source, key, raw[key])
 
     try:
-        rope_theta, rope_scaling = _parse_rope(raw)
-        num_heads = int(need("num_attention_heads"))
-        hidden = int(need("hidden_size"))
-        eos = raw.get("eos_token_id")
+        rope_theta, rope_scaling = _parse_rope(raw, source)
+        num_heads, hidden = need("num_attention_heads"), need("hidden_size")
+        # absent, each family's config class sets these two: Mistral's 8 KV heads, Qwen's 32, the others
+        # one a head (null: one a head for all); Qwen3's head_dim 128 (its models' width), the others hidden / heads
+        kv_heads = raw.get("num_key_value_heads", KV_HEADS_DEFAULT.get(arch))
+        head_dim = raw.get("head_dim", 128 if arch == "Qwen3ForCausalLM" else None) or hidden // num_heads
         cfg = ModelConfig(
             architecture=arch,
-            vocab_size=int(need("vocab_size")),
+            vocab_size=need("vocab_size"),
             hidden_size=hidden,
-            num_layers=int(need("num_hidden_layers")),
+            num_layers=need("num_hidden_layers"),
             num_heads=num_heads,
-            # absent, each family's config class sets these two: Mistral's 8 KV heads, Qwen's 32, the others
-            # one a head (null: one a head for all); Qwen3's head_dim 128 (its models' width), the others hidden / heads
-            num_kv_heads=int(raw.get("num_key_value_heads", KV_HEADS_DEFAULT.get(arch)) or num_heads),
-            head_dim=int(raw.get("head_dim", 128 if arch == "Qwen3ForCausalLM" else None) or hidden // num_heads),
-            intermediate_size=int(need("intermediate_size")),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            num_kv_heads=num_heads if kv_heads is None else _size(source, "num_key_value_heads", kv_heads),
+            head_dim=_size(source, "head_dim", head_dim),
+            intermediate_size=need("intermediate_size"),
+            rms_norm_eps=_positive(source, "rms_norm_eps", raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=_size(source, "max_position_embeddings", raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            eos_token_ids=_token_ids(source, "eos_token_id", raw.get("eos_token_id")),
             qkv_bias=arch == "Qwen2ForCausalLM", qk_norm=arch == "Qwen3ForCausalLM",
         )
         if rope_scaling and rope_scaling["rope_type"] == "yarn":  # YaRN stretches the original context by its
@@ -142,9 +142,32 @@ def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
             _parse_deepseek(raw, cfg, need, source)
     except ConfigError:
         raise
-    except (TypeError, ValueError, KeyError, ZeroDivisionError) as e:
+    except (TypeError, ValueError, KeyError, ZeroDivisionError, OverflowError) as e:  # Overflow: 1e999
         raise ConfigError(f"{source}: bad or missing value ({e})") from None
     return cfg
+
+
+def _size(source: str, key: str, value, low: int = 1) -> int:
+    """A width or a count: a whole number from low to MAX_SIZE (64.7 was cut to 64, "64" read as 64)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= MAX_SIZE \
+            or value != int(value):
+        raise ConfigError(f"{source}: {key} must be a whole number from {low} to {MAX_SIZE}, got {value!r}")
+    return int(value)
+
+
+def _positive(source: str, key: str, value) -> float:
+    """An epsilon, a base or a factor: finite and above 0 (0 or NaN ran, with NaN logits: an empty answer)."""
+    if not 0 < float(value) < math.inf:
+        raise ConfigError(f"{source}: {key} must be a finite number above 0, got {value!r}")
+    return float(value)
+
+
+def _token_ids(source: str, key: str, value) -> list[int]:
+    """Null, an id, or a list of ids: "2" or true would never match a token (EOS that never stops)."""
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ConfigError(f"{source}: {key} must be a token id or a list of them, got {value!r}")
+    return ids
 
 
 def _refuse_unsupported(raw: dict, arch: str, cfg: ModelConfig, source: str) -> None:
@@ -169,10 +192,6 @@ def _refuse_unsupported(raw: dict, arch: str, cfg: ModelConfig, source: str) -> 
     reads_mlp_bias = arch in ("LlamaForCausalLM", "DeepseekV2ForCausalLM")
     if (reads_attention_bias and raw.get("attention_bias")) or (reads_mlp_bias and raw.get("mlp_bias")):
         raise ConfigError(f"{source}: attention_bias and mlp_bias are not supported (nano has q/k/v biases, as Qwen2)")
-    for key, size in (("num_key_value_heads", cfg.num_kv_heads), ("head_dim", cfg.head_dim),
-                      ("max_position_embeddings", cfg.max_position_embeddings)):  # sizes with defaults, as need()'s
-        if size <= 0:
-            raise ConfigError(f"{source}: {key} must be above 0, got {size}")
     if cfg.head_dim % 2 and not cfg.is_deepseek:  # else a crash in rope at the first request (transformers refuses it)
         raise ConfigError(f"{source}: head_dim {cfg.head_dim} is odd: rope needs pairs of channels")
     if cfg.num_heads % cfg.num_kv_heads:  # else it loads, then the first request crashes in attention
@@ -184,13 +203,14 @@ def _refuse_unsupported(raw: dict, arch: str, cfg: ModelConfig, source: str) -> 
         raise ConfigError(f"{source}: quantized checkpoints are not supported (nano loads 16- and 32-bit weights)")
 
 
-def _parse_rope(raw: dict) -> tuple[float, dict | None]:
+def _parse_rope(raw: dict, source: str) -> tuple[float, dict | None]:
     """Both dialects -> (rope_theta, normalised scaling dict or None)."""
     # transformers' order: a `rope_scaling` (4.x's key, which model cards say to add by hand, also to a
     # 5.x config) wins over `rope_parameters` (5.x, where rope_theta moved); theta as a last resort from it
     v5_params = raw.get("rope_parameters") or {}
     params = dict(raw.get("rope_scaling") or v5_params)
-    theta = float(params.pop("rope_theta", raw.get("rope_theta", v5_params.get("rope_theta", 10000.0))))
+    theta = _positive(source, "rope_theta", params.pop("rope_theta", raw.get("rope_theta", v5_params.get("rope_theta",
+                                                                                                      10000.0))))
     legacy_type = params.pop("type", None)
     rope_type = params.pop("rope_type", None) or legacy_type or "default"
     partial = float(params.pop("partial_rotary_factor", None) or raw.get("partial_rotary_factor") or 1.0)
@@ -201,32 +221,39 @@ def _parse_rope(raw: dict) -> tuple[float, dict | None]:
     if partial != 1.0:  # transformers' scaled ropes rotate part of the head (its models then crash); nano all
         raise ConfigError(f"partial_rotary_factor {partial} with {rope_type!r} rope is not supported")
     params["rope_type"] = rope_type
-    params["factor"] = float(params["factor"])
+    params["factor"] = _positive(source, "rope_scaling.factor", params["factor"])
     if rope_type == "dynamic":  # kept (not None): DeepSeek scales its softmax by the factor (deepseek.py)
         return theta, params
     if rope_type == "llama3":  # read now: one missing is a config error, not a KeyError while the model is built
         params["low_freq_factor"], params["high_freq_factor"] = (float(params[key]) for key in
                                                                  ("low_freq_factor", "high_freq_factor"))
+        if params["low_freq_factor"] >= params["high_freq_factor"]:  # the band between them divides by their gap
+            raise ConfigError(f"{source}: rope_scaling's low_freq_factor must be below its high_freq_factor")
     if rope_type != "linear":  # transformers' order: a top-level value, the rope parameters', the context
         if raw.get("original_max_position_embeddings") is not None:
             params["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
         params.setdefault("original_max_position_embeddings", raw["max_position_embeddings"])
+        params["original_max_position_embeddings"] = _size(source, "original_max_position_embeddings",
+                                                           params["original_max_position_embeddings"])
+        for key in ("mscale", "mscale_all_dim", "beta_fast", "beta_slow", "attention_factor"):  # yarn's, if given
+            if params.get(key) is not None:
+                params[key] = float(params[key])
     return theta, params
 
 
 def _parse_deepseek(raw: dict, cfg: ModelConfig, need, source: str) -> None:
-    cfg.q_lora_rank = raw.get("q_lora_rank")
+    rank = raw.get("q_lora_rank")  # null: a full-rank query projection (V2-Lite's)
+    cfg.q_lora_rank = None if rank is None else _size(source, "q_lora_rank", rank)
     for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):  # MLA's shapes
-        setattr(cfg, name, int(need(name)))
-    for name in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"):
-        setattr(cfg, name, int(raw.get(name) or 0))  # absent or null: no MoE
-    # absent: transformers' default, 2, whose model runs the checkpoint's shared experts (0 would skip
-    # them unseen); null: none, as in DeepSeek's own code
-    cfg.n_shared_experts = int(raw.get("n_shared_experts", 2) or 0)
-    cfg.first_k_dense_replace = int(raw.get("first_k_dense_replace", 0))
-    cfg.moe_layer_freq = int(raw.get("moe_layer_freq", 1))
+        setattr(cfg, name, need(name))
+    # absent or null: no MoE. n_shared_experts absent: transformers' default, 2, whose model runs the
+    # checkpoint's shared experts (0 would skip them unseen); null: none, as in DeepSeek's own code
+    for name, absent in (("n_routed_experts", 0), ("num_experts_per_tok", 0), ("moe_intermediate_size", 0),
+                         ("n_shared_experts", 2), ("first_k_dense_replace", 0)):
+        setattr(cfg, name, _size(source, name, raw.get(name, absent) or 0, low=0))
+    cfg.moe_layer_freq = _size(source, "moe_layer_freq", raw.get("moe_layer_freq", 1))
     cfg.norm_topk_prob = bool(raw.get("norm_topk_prob", False))
-    cfg.routed_scaling_factor = float(raw.get("routed_scaling_factor", 1.0))
+    cfg.routed_scaling_factor = _positive(source, "routed_scaling_factor", raw.get("routed_scaling_factor", 1.0))
     # else a MoE layer's top-k picks no expert (only the shared ones run: silently another model) or more than exist
     moe = any(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
     if moe and not 1 <= cfg.num_experts_per_tok <= cfg.n_routed_experts:

@@ -72,16 +72,32 @@ def test_qwen_without_the_sliding_window_key_slides_over_4096(family):
      "partial_rotary_factor 0.5 with 'linear'"),
     (dict(partial_rotary_factor=0.5, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}),
      "partial_rotary_factor 0.5 with 'yarn'"),
-    (dict(num_attention_heads=0, head_dim=None), "num_attention_heads must be above 0, got 0"),  # was "division"
-    (dict(num_hidden_layers=0), "num_hidden_layers must be above 0, got 0"),  # a TypeError traceback
-    (dict(num_attention_heads=-4), "num_attention_heads must be above 0, got -4"),  # a traceback at load
+    (dict(num_attention_heads=0, head_dim=None), "num_attention_heads must be a whole number from 1 to 2147483647, got 0"),  # was "division"
+    (dict(num_hidden_layers=0), "num_hidden_layers must be a whole number from 1 to 2147483647, got 0"),  # a TypeError traceback
+    (dict(num_attention_heads=-4), "num_attention_heads must be a whole number from 1 to 2147483647, got -4"),  # a traceback at load
     (dict(num_key_value_heads=3), "not a multiple of num_key_value_heads"),  # attention would crash
     (dict(head_dim=17), "head_dim 17 is odd"),  # rope's halves: the first request crashed (RuntimeError)
     (dict(hidden_size=68, head_dim=None), "head_dim 17 is odd"),  # hidden / heads
-    (dict(head_dim=-16), "head_dim must be above 0, got -16"),  # even: rope's traceback
-    (dict(max_position_embeddings=-5), "max_position_embeddings must be above 0, got -5"),  # rope's traceback
-    (dict(num_key_value_heads=-2), "num_key_value_heads must be above 0, got -2"),  # a weights shape [0, 64]
+    (dict(head_dim=-16), "head_dim must be a whole number from 1 to 2147483647, got -16"),  # even: rope's traceback
+    (dict(max_position_embeddings=-5), "max_position_embeddings must be a whole number from 1 to 2147483647, got -5"),  # rope's traceback
+    (dict(num_key_value_heads=-2), "num_key_value_heads must be a whole number from 1 to 2147483647, got -2"),  # a weights shape [0, 64]
     (dict(architectures=None, model_type=["llama"]), "unsupported architecture \\['llama'\\]"),  # unhashable
+    # past float's range (1e999 in the file) or any tensor's: an OverflowError traceback, a hang building layers
+    (dict(hidden_size=float("inf")), "hidden_size must be a whole number from 1 to 2147483647, got inf"),
+    (dict(num_hidden_layers=10**30), "num_hidden_layers must be a whole number"),
+    (dict(max_position_embeddings=10**12), "max_position_embeddings must be a whole number"),
+    (dict(hidden_size=64.7), "hidden_size must be a whole number"),  # cut to 64 without a word
+    (dict(num_key_value_heads=0), "num_key_value_heads must be a whole number from 1"),  # read as one a head
+    # ran, silently: NaN logits (an empty answer), an EOS that never matches
+    (dict(rms_norm_eps=float("nan")), "rms_norm_eps must be a finite number above 0, got nan"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 0}), "rope_theta must be a finite number above 0"),
+    (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 0}), "rope_scaling.factor must be"),
+    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 4,
+                           "high_freq_factor": 4}), "low_freq_factor must be below its high_freq_factor"),
+    (dict(eos_token_id="2"), "eos_token_id must be a token id or a list of them, got '2'"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0,  # a math domain error's traceback
+                           "original_max_position_embeddings": 0}), "original_max_position_embeddings must be"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0, "mscale": "x"}), "bad or missing"),
 ])
 def test_configs_that_would_compute_something_else_or_crash_are_one_line(fields, fragment):
     raw = raw_config("Llama", "v5", num_attention_heads=4) | fields
@@ -172,6 +188,18 @@ def test_deepseek_top_k_outside_its_experts_is_one_line(top_k):
         parse_config(raw | {"num_experts_per_tok": top_k})
     dense = raw | {"num_experts_per_tok": top_k, "first_k_dense_replace": raw["num_hidden_layers"]}
     assert not any(parse_config(dense).is_moe_layer(i) for i in range(raw["num_hidden_layers"]))
+
+
+@pytest.mark.parametrize("fields, fragment", [  # each crashed in a traceback as the model was built or first ran
+    ({"q_lora_rank": -1}, "q_lora_rank must be a whole number from 1"), ({"q_lora_rank": 1.5}, "q_lora_rank"),
+    ({"moe_intermediate_size": -5}, "moe_intermediate_size must be a whole number from 0"),
+    ({"n_shared_experts": -1}, "n_shared_experts must be a whole number from 0"),
+    ({"n_routed_experts": 10**30}, "n_routed_experts must be a whole number"),
+])
+def test_deepseek_shapes_out_of_range_are_one_line(fields, fragment):
+    raw = transformers.DeepseekV2Config(**DEEPSEEK_TINY).to_dict() | {"architectures": ["DeepseekV2ForCausalLM"]}
+    with pytest.raises(ConfigError, match=fragment):
+        parse_config(raw | fields)
 
 
 def test_deepseek_shared_experts_absent_take_transformers_default():
