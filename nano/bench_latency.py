@@ -115,6 +115,8 @@ def run(args):
     if args.peak_bandwidth is not None and not 0 < args.peak_bandwidth < math.inf:
         raise UsageError(f"--peak-bandwidth must be a positive number of GB/s, got {args.peak_bandwidth}")
     engine_config(args)  # the engine's flags checked as every command checks them, before they are read here
+    if args.chunked_prefill_size is not None:  # (it would be set aside below without a word)
+        raise UsageError("--chunked-prefill-size: bench_latency prefills each batch in one pass, unchunked")
     model_dir = resolve_model_or_shape(args, default_shape=True)
     per_request, max_bs = args.input_len + args.output_len, max(args.batch_size)
     # longer than the model's context: refused before the weights load and a KV cache of that size fills memory

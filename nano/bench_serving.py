@@ -82,6 +82,11 @@ def make_prompts(args, vocab_size: int) -> list[tuple[str | list[int], int]]:
         raise UsageError(f"--dataset {args.dataset}: not a JSONL file with a prompt per line ({e!r})") from None
     if not rows:
         raise UsageError(f"--dataset {args.dataset} has no prompts")
+    for i, (prompt, output_len) in enumerate(rows, 1):  # else a TypeError deep in the run
+        if not (isinstance(prompt, str) or isinstance(prompt, list) and prompt and all(
+                type(t) is int for t in prompt)) or type(output_len) is not int:
+            raise UsageError(f"--dataset {args.dataset}, prompt {i}: a prompt is text or a list of token ids, "
+                             "an output_len an integer")
     if args.unknown_output_len and any(isinstance(prompt, str) for prompt, _ in rows):  # tokens unknown here
         raise UsageError(f"--unknown-output-len asks for the context left after each prompt: --dataset {args.dataset} "
                          "needs token-id prompts")
@@ -228,6 +233,8 @@ def run(args):
             0 <= args.random_range_ratio <= 1 and 0 <= args.random_output_range_ratio <= 1):
         raise UsageError("--num-prompts, the lengths, --max-concurrency and --request-rate must be > 0 "
                          "(--shared-prefix-len may be 0), the range ratios in [0, 1]")
+    if not (args.api_key or "").isprintable():  # aiohttp refuses it in a header, in a traceback
+        raise UsageError("--api-key holds a control character")
     args.base_url = args.base_url.rstrip("/")
     asyncio.run(benchmark(args))
 

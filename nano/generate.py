@@ -101,7 +101,7 @@ def print_stats(s: dict, num_requests: int):
 
 def read_prompts(args) -> list[str]:
     prompts = list(args.prompt or [])
-    if args.prompt_file:
+    if args.prompt_file is not None:  # "" too: a file name that names nothing
         if args.prompt_file == "-" and sys.stdin is None:  # file descriptor 0 closed (`<&-`)
             raise UsageError("--prompt-file -: standard input is closed")
         try:  # UTF-8 whatever the locale or PYTHONIOENCODING say; a BOM (Notepad's) is not prompt text

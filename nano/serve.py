@@ -404,8 +404,10 @@ def build_parser() -> ArgumentParser:
 
 
 def run(args):
-    if args.api_key == "":
-        raise UsageError("--api-key is empty: no request could send it")
+    if args.api_key is not None and (args.api_key == "" or not args.api_key.isprintable()):
+        raise UsageError("--api-key is empty or holds a control character: no request could send it")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise UsageError("--served-model-name is empty: a request could not name the model")
     model_dir = resolve_model_or_shape(args)
     vocab_size = load_config(model_dir).vocab_size
     tokenizer_dir = args.tokenizer or model_dir

@@ -140,6 +140,12 @@ def test_bad_flag_values(tiny_model, flags, fragment):
     assert_one_line_error(run_cli("--model", str(tiny_model), "--prompt", "hi", *flags), fragment)
 
 
+def test_an_empty_prompt_file_name_names_no_file(tiny_model):
+    """`--prompt-file ""` (a variable left unset in a script) was skipped, and the run went on with --prompt."""
+    assert_one_line_error(run_cli("--model", str(tiny_model), "--prompt", "hi", "--prompt-file", ""),
+                          "cannot read --prompt-file")
+
+
 def test_prompt_file_that_is_not_text(tiny_model, tmp_path):
     (tmp_path / "prompts.bin").write_bytes(b"\xff\xfe\x00bad\n")
     assert_one_line_error(run_cli("--model", str(tiny_model), "--prompt-file", str(tmp_path / "prompts.bin")),
@@ -441,6 +447,7 @@ def test_help_shows_defaults_and_examples(module):
     (["--device", "cpu", "--threads", "100000"], "--threads 100000: this process may run on"),  # torch crashed on it
     (["--device", "cpu", "--context-length", "-1"], "--context-length must be > 0"),  # "the context holds -1"
     (["--device", "cpu", "--max-running-requests", "-5"], "--max-running-requests must be > 0"),  # raised silently
+    (["--device", "cpu", "--chunked-prefill-size", "2"], "prefills each batch in one pass"),  # set aside silently
 ])
 def test_bad_engine_flags(flags, fragment):
     """Flag errors come before any model is loaded (a batch that does not fit the KV cache once it is

@@ -923,9 +923,14 @@ def test_bench_serving_reports_when_the_server_goes_away(tiny_model, tmp_path, m
 
 
 @pytest.mark.parametrize("dataset, fragment", [("missing.jsonl", "not a JSONL file"), ("no-prompt.jsonl", "not a JSONL file"),
-                                               ("not-json.jsonl", "not a JSONL file"), ("empty.jsonl", "has no prompts")])
+                                               ("not-json.jsonl", "not a JSONL file"), ("empty.jsonl", "has no prompts"),
+                                               # a TypeError traceback mid-run
+                                               ("int-prompt.jsonl", "prompt 2: a prompt is text or a list of token ids"),
+                                               ("bad-length.jsonl", "prompt 1: a prompt is text")])
 def test_bench_serving_bad_dataset_is_one_line(server, tmp_path, dataset, fragment):
-    for name, text in [("no-prompt.jsonl", '{"output_len": 3}\n'), ("not-json.jsonl", "Hello\n"), ("empty.jsonl", "\n")]:
+    for name, text in [("no-prompt.jsonl", '{"output_len": 3}\n'), ("not-json.jsonl", "Hello\n"), ("empty.jsonl", "\n"),
+                       ("int-prompt.jsonl", '{"prompt": "hi"}\n{"prompt": 5}\n'),
+                       ("bad-length.jsonl", '{"prompt": [1, 2], "output_len": null}\n')]:
         (tmp_path / name).write_text(text)
     result = run_cli("--base-url", server, "--api-key", API_KEY, "--dataset", str(tmp_path / dataset),
                      module="nano.bench_serving")
@@ -958,8 +963,16 @@ def test_bench_serving_text_prompts_of_unknown_output_length_are_one_line(server
     assert_one_line_error(result, "needs token-id prompts")
 
 
-def test_empty_api_key_is_refused_at_start():
-    assert_one_line_error(run_cli("--api-key", "", module="nano.serve"), "--api-key is empty")
+@pytest.mark.parametrize("flags, fragment", [(["--api-key", ""], "--api-key is empty"),
+                                             (["--api-key", "a\nb"], "holds a control character"),
+                                             (["--served-model-name", " "], "--served-model-name is empty")])
+def test_flags_no_request_could_meet_are_refused_at_start(flags, fragment):
+    assert_one_line_error(run_cli(*flags, module="nano.serve"), fragment)
+
+
+def test_bench_serving_refuses_an_api_key_no_header_can_carry(server):
+    result = run_cli("--base-url", server, "--api-key", "a\nb", module="nano.bench_serving")
+    assert_one_line_error(result, "--api-key holds a control character")  # aiohttp's traceback
 
 
 def test_bench_serving_without_a_server_is_one_line():
