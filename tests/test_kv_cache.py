@@ -153,6 +153,24 @@ def test_cpu_free_memory_is_a_containers_limit_not_the_hosts(tmp_path, monkeypat
     assert free_bytes(torch.device("cpu")) == 100 * 2**20  # of two limits, the tighter (the box's leaves 724 MiB)
 
 
+def test_a_cgroup_limit_never_raises_the_hosts_figure_nor_goes_below_zero(tmp_path, monkeypatch):
+    from nano import memory
+
+    (tmp_path / "meminfo").write_text(f"MemAvailable: {2**20} kB\n")  # 1 GiB
+    folder = tmp_path / "cgroup" / "box"
+    folder.mkdir(parents=True)
+    (tmp_path / "self-cgroup").write_text("0::/box\n")
+    (folder / "memory.max").write_text(f"{8 * 2**30}\n")  # 8 GiB, with none of it used
+    (folder / "memory.current").write_text("0\n")
+    (folder / "memory.stat").write_text("")
+    monkeypatch.setattr(memory, "PROC_MEMINFO", str(tmp_path / "meminfo"))
+    monkeypatch.setattr(memory, "PROC_CGROUP", str(tmp_path / "self-cgroup"))
+    monkeypatch.setattr(memory, "CGROUP_ROOT", tmp_path / "cgroup")
+    assert free_bytes(torch.device("cpu")) == 2**30  # the host has less than the limit allows
+    (folder / "memory.current").write_text(f"{9 * 2**30}\n")  # over the limit (the kernel is reclaiming)
+    assert free_bytes(torch.device("cpu")) == 0
+
+
 def test_a_host_without_proc_checks_the_fit_against_all_its_ram(tmp_path, monkeypatch):
     """macOS has no /proc/meminfo and no cgroups: the fit check read None there and let any model through
     (a petabyte of weights), to swap or be killed. All the RAM there is bounds what can ever fit."""

@@ -123,6 +123,15 @@ def test_eviction_takes_the_least_recently_used_leaf_first():
     assert allocator.available + tree.size == 32
 
 
+def test_eviction_frees_what_is_asked_and_not_a_leaf_more():
+    allocator = SlotAllocator(16, "cpu")
+    tree = RadixCache(allocator)
+    for first in (1, 11, 21, 31):
+        tree.insert(list(range(first, first + 4)), allocator.alloc(4))
+    tree.evict(4)  # one leaf's worth
+    assert tree.size == 12 and allocator.available == 4
+
+
 # ---- the engine ---------------------------------------------------------------------------
 
 PARAMS = SamplingParams(max_new_tokens=5, ignore_eos=True)

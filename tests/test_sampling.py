@@ -132,3 +132,14 @@ def test_a_request_without_truncation_keeps_its_whole_vocabulary_beside_one_with
     probs = torch.softmax(logits, -1)
     kept = _top_k_top_p(torch.stack([probs, probs]), [SamplingParams(), SamplingParams(top_k=5)])
     assert torch.equal(kept[0], probs) and (kept[1] > 0).sum() == 5
+
+
+def test_top_p_stops_where_the_mass_reaches_p_as_hf_does():
+    """Probabilities .5 .25 .25 at top-p .5: the first token's mass reaches p, so it alone is kept
+    (HF's TopPLogitsWarper, vLLM alike); `<=` in place of `<` kept the second too."""
+    from transformers import TopPLogitsWarper
+
+    probs = torch.tensor([[0.5, 0.25, 0.25]])
+    kept = _top_k_top_p(probs, [SamplingParams(temperature=1.0, top_p=0.5)])
+    hf = TopPLogitsWarper(0.5)(None, probs.log())
+    assert (kept[0] > 0).tolist() == torch.isfinite(hf[0]).tolist() == [True, False, False]

@@ -454,3 +454,17 @@ def test_a_prompt_that_fills_the_context_is_refused():
     with pytest.raises(ValueError, match="the context holds 64"):
         check_request(prompt, SamplingParams(), LLAMA_TINY["vocab_size"], 64)
     check_request(prompt[:-1], SamplingParams(), LLAMA_TINY["vocab_size"], 64)
+
+
+def test_new_slots_evicts_only_what_the_free_slots_lack():
+    """4 slots free and 6 asked for: the prefix cache gives up one 4-token leaf, not 6 tokens' worth."""
+    from nano.radix_cache import RadixCache
+
+    allocator = SlotAllocator(20, "cpu")
+    tree = RadixCache(allocator)
+    for first in (1, 11, 21, 31):
+        tree.insert(list(range(first, first + 4)), allocator.alloc(4))
+    scheduler = Scheduler(ReqToTokenPool(2, 8, "cpu"), allocator, tree, 64, 0, {})
+    with scheduler.new_slots(6) as slots:
+        assert slots.numel() == 6
+    assert tree.size == 12 and allocator.available == 2

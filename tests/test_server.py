@@ -206,6 +206,8 @@ BAD_INPUTS = [  # (path, body or raw bytes, status, param)
     ("/v1/completions", '{"prompt": "hi"}'.encode("utf-16"), 400, None),  # JSON between systems is UTF-8
     ("/v1/completions", {"prompt": "hi", "a\nb": 1}, 400, "a\nb"),  # the message names the key on one line
     ("/tokenize", {"messages": []}, 400, "messages"),  # as a chat's: no messages, no prompt
+    ("/v1/completions", {"prompt": "hi", "store": 0}, 400, "store"),  # a number is no bool's off value
+    ("/v1/completions", {"prompt": "hi", "frequency_penalty": False}, 400, "frequency_penalty"),  # nor the reverse
     ("/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400, None),  # deeper than json can parse
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": []}, 400, "prompt"),
@@ -1265,3 +1267,19 @@ def test_a_server_whose_engine_died_with_requests_unread_still_exits(tiny_model,
         assert proc.wait(timeout=30) == 0, (tmp_path / "server.log").read_text()
     finally:
         proc.kill()
+
+
+def test_an_error_names_a_field_by_its_place_on_one_line():
+    from nano.api import _where
+
+    assert _where(("messages", 0, "content")) == "messages.0.content"
+    assert _where(("logit_bias", "")) == 'logit_bias.""' and _where(("a\nb",)) == '"a\\nb"'
+
+
+def test_bench_serving_lengths_at_a_range_ratio_of_0_are_at_least_1():
+    from nano.bench_serving import build_parser, make_prompts
+
+    args = build_parser().parse_args(["--num-prompts", "200", "--random-input-len", "2", "--random-output-len", "2",
+                                      "--random-range-ratio", "0", "--random-output-range-ratio", "0"])
+    prompts = make_prompts(args, vocab_size=50)
+    assert {len(p) for p, _ in prompts} == {1, 2} and {n for _, n in prompts} == {1, 2}
