@@ -150,24 +150,28 @@ def run(args):
         peak = measure_copy_bandwidth(engine.device)
         device = torch.cuda.get_device_name(engine.device)
         print(f"{device}: device-to-device copy {peak / 1e9:.0f} GB/s (measured now)")
-    per_rank = f" by each of {engine.tp.size} ranks" if engine.tp else ""
-
     for bs in args.batch_size:
-        run_once(engine, bs, args.input_len, args.output_len, seed=0)  # warm-up
-        prefill_s, decode_s = run_once(engine, bs, args.input_len, args.output_len, seed=1)
-        step_s = statistics.median(decode_s)
-        print(f"batch size {bs}")
-        print(f"Prefill. latency: {prefill_s:.5f} s, throughput: {bs * args.input_len / prefill_s:9.2f} token/s")
-        print(f"Decode.  median latency: {step_s:.5f} s, median throughput: {bs / step_s:9.2f} token/s")
-        weights = weight_bytes_per_step(engine.model, bs)
-        # the KV read by a middle decode step: every request holds about input_len + output_len / 2 tokens
-        kv = bs * (args.input_len + args.output_len // 2) * engine.kv_bytes_per_token
-        achieved = (weights + kv) / step_s
-        line = (f"Bytes read per decode step{per_rank}: {weights / 1e9:.2f} GB weights + {kv / 1e9:.3f} GB KV; "
-                f"achieved {achieved / 1e9:.0f} GB/s")
-        if peak:
-            line += f" = {achieved / peak:.0%} of the copy bandwidth (floor {(weights + kv) / peak * 1e3:.2f} ms)"
-        print(line)
+        time_batch(engine, args, bs, peak)
+
+
+def time_batch(engine, args, bs: int, peak: float | None):
+    """One batch size: a warm-up run, then the timed one, printed with the bytes a decode step reads."""
+    run_once(engine, bs, args.input_len, args.output_len, seed=0)  # warm-up
+    prefill_s, decode_s = run_once(engine, bs, args.input_len, args.output_len, seed=1)
+    step_s = statistics.median(decode_s)
+    print(f"batch size {bs}")
+    print(f"Prefill. latency: {prefill_s:.5f} s, throughput: {bs * args.input_len / prefill_s:9.2f} token/s")
+    print(f"Decode.  median latency: {step_s:.5f} s, median throughput: {bs / step_s:9.2f} token/s")
+    weights = weight_bytes_per_step(engine.model, bs)
+    # the KV read by a middle decode step: every request holds about input_len + output_len / 2 tokens
+    kv = bs * (args.input_len + args.output_len // 2) * engine.kv_bytes_per_token
+    achieved = (weights + kv) / step_s
+    per_rank = f" by each of {engine.tp.size} ranks" if engine.tp else ""
+    line = (f"Bytes read per decode step{per_rank}: {weights / 1e9:.2f} GB weights + {kv / 1e9:.3f} GB KV; "
+            f"achieved {achieved / 1e9:.0f} GB/s")
+    if peak:
+        line += f" = {achieved / peak:.0%} of the copy bandwidth (floor {(weights + kv) / peak * 1e3:.2f} ms)"
+    print(line)
 
 
 def main(argv=None):
