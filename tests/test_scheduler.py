@@ -211,6 +211,15 @@ def test_a_caller_stepping_on_after_a_pass_raised_sees_its_requests_end(tmp_path
     _fail_pass(engine, failing_pass)
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     reqs = [engine.add_request(p, params) for p in random_prompts([5, 7], LLAMA_TINY["vocab_size"], seed=4)]
+    steps, errors = _step_through_faults(engine)
+    assert errors == 1 and steps < 50 and all(r.finished and len(r.output_ids) < 6 for r in reqs)
+    assert engine.slots.available + engine.prefix_cache.size == 64 and engine.prefix_cache.locked_size == 0
+    assert len(engine.req_to_token_pool.free_rows) == engine.config.max_running_requests
+
+
+def _step_through_faults(engine) -> tuple[int, int]:
+    """Step as a library caller would, on through the steps that raise, until no work is left (at most
+    50 steps) -> (steps, steps that raised)."""
     steps, errors = 0, 0
     while engine.has_work() and steps < 50:
         steps += 1
@@ -218,9 +227,7 @@ def test_a_caller_stepping_on_after_a_pass_raised_sees_its_requests_end(tmp_path
             engine.step()
         except RuntimeError:
             errors += 1
-    assert errors == 1 and steps < 50 and all(r.finished and len(r.output_ids) < 6 for r in reqs)
-    assert engine.slots.available + engine.prefix_cache.size == 64 and engine.prefix_cache.locked_size == 0
-    assert len(engine.req_to_token_pool.free_rows) == engine.config.max_running_requests
+    return steps, errors
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -245,14 +252,8 @@ def test_a_pass_that_raises_while_its_batch_is_built_gives_back_its_slots(tmp_pa
     monkeypatch.setattr(ForwardBatch, builder, build)
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     reqs = [engine.add_request(p, params) for p in random_prompts([5, 7], LLAMA_TINY["vocab_size"], seed=4)]
-    steps, errors = 0, 0
-    while engine.has_work() and steps < 50:
-        steps += 1
-        try:
-            engine.step()
-        except RuntimeError:
-            errors += 1
-    assert errors == 1 and all(r.finished for r in reqs)
+    steps, errors = _step_through_faults(engine)
+    assert errors == 1 and steps < 50 and all(r.finished for r in reqs)
     assert engine.slots.available + engine.prefix_cache.size == 64 and engine.prefix_cache.locked_size == 0
 
 
