@@ -187,3 +187,17 @@ def test_a_developer_message_is_system_unless_the_template_knows_developer(smoll
             expected_messages, tokenize=False, add_generation_prompt=True)
         assert tokenizer.apply_chat_template([m.as_dict(tokenizer.template_has_developer) for m in sent]) == expected
     assert expected.startswith(f"DEV developer: {text}\n")
+
+
+def test_a_config_that_lists_its_added_tokens_wins_over_the_special_tokens_map(smollm2_dir, tmp_path):
+    """A newer folder (its config lists `added_tokens_decoder`): transformers reads its config alone,
+    so the config's EOS stands where special_tokens_map.json names another."""
+    shutil.copy(smollm2_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    config = json.loads((smollm2_dir / "tokenizer_config.json").read_text())
+    config["added_tokens_decoder"] = {"0": {"content": "<|endoftext|>", "special": True, "lstrip": False,
+                                            "rstrip": False, "normalized": False, "single_word": False}}
+    config["eos_token"] = "<|endoftext|>"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    hf, tokenizer = AutoTokenizer.from_pretrained(tmp_path), Tokenizer(tmp_path)
+    assert tokenizer.eos_token_ids == [hf.convert_tokens_to_ids(hf.eos_token)] == [0]

@@ -246,3 +246,15 @@ def test_stream_decoder_after_a_one_token_prompt(tmp_path):
         pieces = [decoder.push(t, last=i == len(answer_ids) - 1) for i, t in enumerate(answer_ids)]
         full = tokenizer.decode(prompt_ids + answer_ids)
         assert len(prompt_ids) == 1 and "".join(pieces) == full[len(tokenizer.decode(prompt_ids)) :]
+
+
+def test_of_two_stop_strings_in_one_push_the_first_to_begin_wins(tokenizer):
+    """"one" is held (it ends in "e", which may start "e t"); " two" then completes both stop strings in
+    one push: the text ends where the first of them begins, whichever the request listed first."""
+    detokenizer, sent = Detokenizer(tokenizer, [], ["two", "e t"]), []
+    for token_id in tokenizer.encode_text("one two three"):
+        text, stop = detokenizer.push(token_id)
+        sent.append(text)
+        if stop is not None:
+            break
+    assert ("".join(sent), stop) == ("on", "e t")
