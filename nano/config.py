@@ -209,8 +209,8 @@ def _parse_rope(raw: dict, source: str) -> tuple[float, dict | None]:
     # 5.x config) wins over `rope_parameters` (5.x, where rope_theta moved); theta as a last resort from it
     v5_params = raw.get("rope_parameters") or {}
     params = dict(raw.get("rope_scaling") or v5_params)
-    theta = _positive(source, "rope_theta", params.pop("rope_theta", raw.get("rope_theta", v5_params.get("rope_theta",
-                                                                                                      10000.0))))
+    theta = params.pop("rope_theta", raw.get("rope_theta", v5_params.get("rope_theta", 10000.0)))
+    theta = _positive(source, "rope_theta", theta)
     legacy_type = params.pop("type", None)
     rope_type = params.pop("rope_type", None) or legacy_type or "default"
     partial = float(params.pop("partial_rotary_factor", None) or raw.get("partial_rotary_factor") or 1.0)
