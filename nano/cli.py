@@ -123,7 +123,7 @@ def parse_device(name: str):
         device = torch.device(name)
     except RuntimeError:
         device = None
-    if device is None or device.type not in ("cpu", "cuda"):
+    if device is None or device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index):
         raise UsageError(f"--device {name}: nano runs on cpu or cuda (cuda:N for the N-th GPU)")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device {name}, but no CUDA device is available")

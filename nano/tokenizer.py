@@ -66,6 +66,8 @@ class Tokenizer:
         self.bos_token_id = self._tokenizer.token_to_id(self.bos_token) if self.bos_token else None
         # None: the config does not say, and tokenizer.json's post-processor decides alone.
         self.add_bos_token = config.get("add_bos_token")
+        if self.add_bos_token not in (None, True, False):  # the string "false" would read as true
+            raise TokenizerError(f"{model_dir}: add_bos_token must be true or false, got {self.add_bos_token!r}")
         self.eos_token_ids = self._eos_token_ids(model_dir)
         # what a chat template reads by name; BOS and EOS as "" when there are none
         self._template_tokens = _template_tokens(config) | {"bos_token": self.bos_token or "",
@@ -77,7 +79,7 @@ class Tokenizer:
         # <|eom_id|> too); generation_config.json lists them all.
         generation_eos = _read_json(model_dir / "generation_config.json").get("eos_token_id")
         listed = [generation_eos] if isinstance(generation_eos, int) else generation_eos or []
-        if not all(isinstance(eos_id, int) for eos_id in listed):  # "2" would stop on nothing
+        if not all(type(eos_id) is int and eos_id >= 0 for eos_id in listed):  # "2" stops on nothing, true on 1
             raise TokenizerError(f"{model_dir / 'generation_config.json'}: eos_token_id must be an id or a list of ids")
         ids = [self._tokenizer.token_to_id(self.eos_token) if self.eos_token else None, *listed]
         return [eos_id for eos_id in dict.fromkeys(ids) if eos_id is not None]  # each once, in order

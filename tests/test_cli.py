@@ -430,6 +430,7 @@ def test_help_shows_defaults_and_examples(module):
 @pytest.mark.parametrize("flags, fragment", [
     (["--device", "foo"], "nano runs on cpu or cuda"),
     (["--device", "mps"], "nano runs on cpu or cuda"),
+    (["--device", "cpu:5"], "nano runs on cpu or cuda"),  # torch has one CPU device
     pytest.param(["--device", "cuda"], "no CUDA device",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="there is a GPU")),
     (["--device", "cpu", "--attention-backend", "triton"], "TRITON_INTERPRET=1"),

@@ -111,9 +111,13 @@ def test_missing_tokenizer_json(tmp_path):
     ("tokenizer_config.json", {"bos_token": 1}, "a special token must be text, got 1"),
     ("tokenizer_config.json", {"eos_token": ["<|im_end|>"]}, "a special token must be text"),
     ("generation_config.json", {"eos_token_id": "2"}, "eos_token_id must be an id or a list of ids"),
+    ("generation_config.json", {"eos_token_id": True}, "eos_token_id must be an id or a list of ids"),
+    ("generation_config.json", {"eos_token_id": [2, -1]}, "eos_token_id must be an id or a list of ids"),
+    ("tokenizer_config.json", {"add_bos_token": "false"}, "add_bos_token must be true or false, got 'false'"),
 ])
 def test_a_malformed_tokenizer_file_is_one_line(smollm2_dir, tmp_path, file, content, fragment):
-    """Each was a traceback (a bytes error, a TypeError), or, for "2", stop ids that stopped on nothing."""
+    """Each was a traceback (a bytes error, a TypeError), or silently wrong: "2" stopped on nothing, true
+    stopped on id 1, and the string "false" added BOS."""
     shutil.copy(smollm2_dir / "tokenizer.json", tmp_path / "tokenizer.json")
     config = json.loads((smollm2_dir / "tokenizer_config.json").read_text())
     raw = content if isinstance(content, bytes) else json.dumps(config | content if "tokenizer" in file else content)
