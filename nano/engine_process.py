@@ -304,6 +304,8 @@ class EngineClient:
             except queue.Empty:
                 if not self.worker.is_alive():
                     return None
+            except (EOFError, OSError):  # it died halfway through writing a message
+                return None
 
     def _read(self):
         while (message := self._next_message()) is not None:
@@ -334,6 +336,9 @@ def start_engine_process(build_engine) -> EngineClient:
     inbox, outbox = spawn.Queue(), spawn.Queue()
     process = spawn.Process(target=_engine_process, args=(build_engine, inbox, outbox), name="nano-engine")
     process.start()
+    # The server only reads the outbox. Its copy of the write end would keep the pipe open after the engine
+    # dies, and a message the engine was killed halfway through writing would then be waited for for ever.
+    outbox._writer.close()
     try:
         return EngineClient(inbox, outbox, process)
     except BaseException:  # its one-line error, or Ctrl-C while it loads: it will not be needed

@@ -1269,6 +1269,31 @@ def test_a_server_whose_engine_died_with_requests_unread_still_exits(tiny_model,
         proc.kill()
 
 
+def test_an_engine_killed_halfway_through_a_message_fails_the_stream_and_the_server_exits(tiny_model, tmp_path):
+    """The engine is killed while a step's message (16 choices with 20 logprobs each: over the 4 KiB a pipe
+    writes whole) is half in the outbox: the reader waited for the rest for ever, the stream never got its
+    500 and SIGTERM never ended the server. The server stops while the engine fills the pipe, so the kill
+    lands mid-message."""
+    proc, url = start_server(tiny_model, tmp_path / "server.log", *SERVER_FLAGS)
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps(dict(prompt=[1, 2, 3], max_tokens=4000, ignore_eos=True,
+                                                                stream=True, n=16, logprobs=20)),
+                     {"Content-Type": "application/json", **AUTH})
+        reply = conn.getresponse()
+        reply.readline()
+        os.kill(proc.pid, signal.SIGSTOP)
+        time.sleep(1)
+        os.kill(engine_pid(proc.pid), signal.SIGKILL)
+        os.kill(proc.pid, signal.SIGCONT)
+        events = [line for line in reply.read().splitlines() if line.startswith(b"data: {")]
+        assert b"engine process exited" in events[-1], events[-1][:200]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, (tmp_path / "server.log").read_text()
+    finally:
+        proc.kill()
+
+
 def test_an_error_names_a_field_by_its_place_on_one_line():
     from nano.api import _where
 
