@@ -218,7 +218,10 @@ class StreamDecoder:
         text = self._tokenizer.decode(self._ids[self._prefix_offset :])
         if not last and (len(text) <= len(printed) or text.endswith(REPLACEMENT_CHAR)):
             return ""
+        new_ids = self._ids[self._read_offset :]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        if not text.startswith(printed):  # bytes that turn out invalid: a byte-fallback decoder garbles their
+            return self._tokenizer.decode(new_ids)  # whole run, the printed character too; these alone then
         return text[len(printed) :]
 
 

@@ -252,6 +252,19 @@ def test_stream_decoder_after_a_one_token_prompt(tmp_path):
         assert len(prompt_ids) == 1 and "".join(pieces) == full[len(tokenizer.decode(prompt_ids)) :]
 
 
+def test_stream_decoder_after_invalid_byte_tokens_prints_what_is_new(tmp_path):
+    """A run of byte tokens that turns out not to be UTF-8 (a lone lead byte) decodes, in a byte-fallback
+    decoder, as U+FFFD for each of its bytes, those of a character already printed too: the stream then
+    printed one U+FFFD per byte of that character again, beside it. Now: the character, then U+FFFD."""
+    save_byte_fallback_tokenizer(tmp_path)
+    tokenizer = Tokenizer(tmp_path)
+    byte, a = lambda b: tokenizer._tokenizer.token_to_id(f"<0x{b:02X}>"), tokenizer._tokenizer.token_to_id("▁a")
+    for ids, expected in (([byte(0xC3), byte(0xA9), byte(0xE4), a], "é\ufffd a"),  # é, a lone lead byte, " a"
+                          ([byte(0xE4), byte(0xB8), byte(0x96), byte(0xE7)], "世\ufffd")):  # cut off after a lead
+        decoder = StreamDecoder(tokenizer, [])
+        assert "".join(decoder.push(t, last=i == len(ids) - 1) for i, t in enumerate(ids)) == expected
+
+
 def test_of_two_stop_strings_in_one_push_the_first_to_begin_wins(tokenizer):
     """"one" is held (it ends in "e", which may start "e t"); " two" then completes both stop strings in
     one push: the text ends where the first of them begins, whichever the request listed first."""
