@@ -372,13 +372,7 @@ class Engine:
         model, eagerly (the same pass a graph recorded)."""
         if self.tp is None or self.tp.rank != 0:
             return self._run(batch)
-        if self.tp.closed:  # after close(): its workers are gone, and a pass sent to them ends this process
-            raise RuntimeError("the engine is closed: its tensor-parallel workers have stopped")
-        try:  # the other ranks run the same pass
-            self.tp.send_batch(batch, self.req_to_token_pool.req_to_token)
-            return self._run(batch)
-        except Exception:  # they wait in a collective this rank will never reach
-            self.tp.out_of_step()  # ends every rank
+        return self.tp.run_pass(batch, self.req_to_token_pool.req_to_token, self._run)  # on every rank
 
     def _run(self, batch: ForwardBatch) -> torch.Tensor:
         if self.graph_runner is not None and self.graph_runner.can_run(batch):

@@ -89,8 +89,8 @@ def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
     """The shapes one of `size` ranks builds: its heads, KV heads, MLP and expert widths, vocabulary."""
     if size == 1:
         return cfg
-    for what, n in [("attention heads", cfg.num_heads), ("MLP width", cfg.intermediate_size),
-                    ("expert width", cfg.moe_intermediate_size), ("vocabulary", cfg.vocab_size)]:
+    for what, n in [("attention head count", cfg.num_heads), ("MLP width", cfg.intermediate_size),
+                    ("expert width", cfg.moe_intermediate_size), ("vocabulary size", cfg.vocab_size)]:
         if n % size:
             raise ConfigError(f"cannot split the model over {size} GPUs: its {what} ({n}) is not a multiple of {size}")
     if cfg.num_kv_heads % size and size % cfg.num_kv_heads:
@@ -124,7 +124,7 @@ class TensorParallel:
 
     def __init__(self, rank: int, size: int, port: int, device: torch.device, pipes=(), workers=()):
         self.rank, self.size, self.device = rank, size, device
-        self.pipes, self.workers, self.closed = list(pipes), list(workers), False
+        self.pipes, self.workers, self.closed, self.interrupted = list(pipes), list(workers), False, False
         on_gpu = device.type == "cuda"
         if on_gpu:
             torch.cuda.set_device(device)  # Triton launches and graph capture use the current device
@@ -156,6 +156,22 @@ class TensorParallel:
         t = torch.tensor([n], device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return int(t.item())
+
+    def run_pass(self, batch: ForwardBatch, req_to_token: torch.Tensor, run) -> torch.Tensor:
+        """Rank 0: hand the workers a forward pass, and run it here too (`run(batch)`) -> its logits."""
+        if self.closed:  # after close(): its workers are gone, and a pass sent to them ends this process
+            raise RuntimeError("the engine is closed: its tensor-parallel workers have stopped")
+        if self.interrupted:
+            raise RuntimeError("the engine cannot run again: Ctrl-C interrupted a forward pass on tensor-parallel "
+                               "rank 0 alone, and its workers wait in that pass")
+        try:
+            self.send_batch(batch, req_to_token)
+            return run(batch)
+        except Exception:  # the workers wait in a collective this rank will never reach
+            self.out_of_step()  # ends every rank
+        except KeyboardInterrupt:  # At a terminal the workers heard it too, and every rank ends (their watcher
+            self.interrupted = True  # below). Caught (a notebook's interrupt), the next pass would wait for ever.
+            raise
 
     def send_batch(self, batch: ForwardBatch, req_to_token: torch.Tensor):
         """Rank 0: hand a forward pass to the workers (see the lesson for the two parts)."""
@@ -200,6 +216,8 @@ class TensorParallel:
         """Rank 0: stop the workers. Every rank: leave the process group."""
         if self.closed:
             return
+        if self.interrupted:  # its workers wait in a pass: they would never leave the group with this rank
+            return self.abandon(leave=True)
         self.closed = True
         for pipe in self.pipes if self.rank == 0 else ():
             with contextlib.suppress(OSError):  # a worker that died has closed its end

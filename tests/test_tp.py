@@ -127,7 +127,7 @@ def test_uneven_splits_are_refused():
     cfg = load_config(SHIPPED_CONFIGS / "llama-3-8b")  # 32 heads, 8 KV heads
     assert (shard_config(cfg, 2).num_heads, shard_config(cfg, 2).num_kv_heads) == (16, 4)
     assert shard_config(cfg, 16).num_kv_heads == 1  # each KV head on two ranks
-    with pytest.raises(ConfigError, match="attention heads"):
+    with pytest.raises(ConfigError, match=r"over 3 GPUs: its attention head count \(32\) is not a multiple of 3$"):
         shard_config(cfg, 3)
     with pytest.raises(ConfigError, match="KV heads"):
         shard_config(replace(cfg, num_heads=48, num_kv_heads=12), 8)
@@ -354,6 +354,33 @@ engine.generate([[5, 6, 7]] * 8, SamplingParams(max_new_tokens=3000, ignore_eos=
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in stderr, stderr
     assert not _running_after(worker, 10)
+
+
+def test_a_ctrl_c_caught_on_rank_0_alone_leaves_an_engine_that_refuses_to_run(tmp_path):
+    """A notebook's interrupt reaches rank 0 alone, mid-pass (planted here after the pass was handed to the
+    worker), and the caller catches it: the worker still waits in that pass, and the next generate waited for
+    ever in its first broadcast. It is refused in one line, and the process still ends."""
+    code = _rank_0_script(tmp_path, """
+engine = ne.Engine(path, ne.EngineConfig(tp_size=2, max_total_tokens=4000, log=False))
+run, passes = engine._run, []
+def interrupted(batch):
+    passes.append(batch)
+    if len(passes) == 3:
+        raise KeyboardInterrupt
+    return run(batch)
+engine._run = interrupted
+try:
+    engine.generate([[5, 6, 7]] * 4, SamplingParams(max_new_tokens=10, ignore_eos=True))
+except KeyboardInterrupt:
+    pass
+try:
+    engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2))
+except RuntimeError as e:
+    print("refused:", e, flush=True)
+""")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "refused: the engine cannot run again: Ctrl-C interrupted" in result.stdout, \
+        result.stdout + result.stderr
 
 
 def test_ctrl_c_while_a_worker_starts_is_quiet(tmp_path):
