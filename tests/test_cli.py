@@ -729,3 +729,68 @@ def test_bench_throughput_without_a_model_runs_a_shape_that_fits():
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("nano: 2 requests")
     assert "generate_batch: not timed on CPU" in result.stdout  # --peer-prompts (64 by default) is not silently dropped
+
+
+def test_a_model_folder_named_like_a_shipped_shape_is_the_folder(tmp_path, monkeypatch):
+    """A shape name is a shape only where no folder of that name exists: a local model folder named
+    `smollm2-135m` is that folder (its weights, safetensors), not the shipped config with dummy weights."""
+    import argparse
+    from pathlib import Path
+
+    from nano.cli import SHIPPED_CONFIGS, resolve_model, resolve_model_or_shape, shipped_shape
+
+    (tmp_path / "smollm2-135m").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert shipped_shape("smollm2-135m") is None
+    assert resolve_model("smollm2-135m") == Path.cwd() / "smollm2-135m"  # not "a shape for benchmarks"
+    args = argparse.Namespace(model="smollm2-135m", load_format=None, device="cpu")
+    assert resolve_model_or_shape(args) == Path.cwd() / "smollm2-135m" and args.load_format == "safetensors"
+    monkeypatch.chdir(tmp_path / "smollm2-135m")  # where no such folder is, the name is the shape
+    assert shipped_shape("smollm2-135m") == SHIPPED_CONFIGS / "smollm2-135m"
+    args = argparse.Namespace(model="smollm2-135m", load_format=None, device="cpu")
+    assert resolve_model_or_shape(args) == SHIPPED_CONFIGS / "smollm2-135m" and args.load_format == "dummy"
+
+
+def test_a_symlinked_model_folder_keeps_the_links_name(tmp_path, monkeypatch):
+    """serve names the model after the folder given: a link `my-model` to a hub snapshot folder
+    (snapshots/<commit hash>) is served as my-model, not as the hash the link points to."""
+    from nano.cli import resolve_model
+
+    (tmp_path / "snapshots" / "0123abcd").mkdir(parents=True)
+    (tmp_path / "my-model").symlink_to(tmp_path / "snapshots" / "0123abcd", target_is_directory=True)
+    assert resolve_model(str(tmp_path / "my-model")).name == "my-model"
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model("my-model").name == "my-model" and resolve_model("my-model").is_absolute()
+
+
+def test_triton_on_cpu_needs_triton_installed_and_takes_no_cuda_graph_flag(monkeypatch):
+    """The Triton backend on CPU (in its interpreter) needs triton installed as on a GPU: a one-line
+    error, not an ImportError later; and CUDA graphs stay off on CPU, so --cuda-graph-max-bs is refused."""
+    from nano import cli, generate
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    argv = ["--prompt", "x", "--device", "cpu", "--attention-backend", "triton"]
+    config = cli.engine_config(generate.build_parser().parse_args(argv))
+    assert config.attention_backend == "triton" and not config.cuda_graph
+    with pytest.raises(cli.UsageError, match="CUDA graphs run only on a GPU"):
+        cli.engine_config(generate.build_parser().parse_args(argv + ["--cuda-graph-max-bs", "4"]))
+    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None)  # as if triton were not installed
+    with pytest.raises(cli.UsageError, match="Triton, which is not installed"):
+        cli.engine_config(generate.build_parser().parse_args(argv))
+    config = cli.engine_config(generate.build_parser().parse_args(argv[:-2]))  # the torch backend needs none
+    assert config.attention_backend == "torch"
+
+
+@pytest.mark.parametrize("flags", [["--disable-cuda-graph"], ["--attention-backend", "torch"]])
+def test_cuda_graph_max_bs_is_refused_wherever_cuda_graphs_are_off(monkeypatch, flags):
+    """--cuda-graph-max-bs means something only where CUDA graphs run: on a GPU (faked here: flags
+    alone), with the triton backend, without --disable-cuda-graph. A GPU run with them off refuses it too."""
+    import torch as torch_module
+
+    from nano import cli, generate
+
+    monkeypatch.setattr(cli, "parse_device", lambda name: torch_module.device("cuda"))
+    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: object())  # triton "installed"
+    argv = ["--prompt", "x", "--device", "cuda", "--dtype", "float32", "--cuda-graph-max-bs", "4", *flags]
+    with pytest.raises(cli.UsageError, match="CUDA graphs run only on a GPU"):
+        cli.engine_config(generate.build_parser().parse_args(argv))

@@ -469,3 +469,74 @@ def test_new_slots_evicts_only_what_the_free_slots_lack():
     with scheduler.new_slots(6) as slots:
         assert slots.numel() == 6
     assert tree.size == 12 and allocator.available == 2
+
+
+def _cached_scheduler(capacity: int, chunked_prefill_size: int = 0):
+    """A scheduler over `capacity` slots with a prefix cache."""
+    from nano.radix_cache import RadixCache
+
+    allocator = SlotAllocator(capacity, "cpu")
+    return Scheduler(ReqToTokenPool(16, 64, "cpu"), allocator, RadixCache(allocator), 10**6, chunked_prefill_size,
+                     Counter())
+
+
+def test_a_request_that_asks_for_its_prompts_logprobs_does_not_wait_for_a_shared_head():
+    """Two requests of one 48-token prompt arrive together: one that does not ask for prompt logprobs
+    waits a step for the other's head to reach the prefix cache; one that asks computes its whole
+    prompt anyway (an empty match), so waiting would gain it nothing: it is admitted in the same pass."""
+    prompt = random_prompts([48], LLAMA_TINY["vocab_size"], seed=3)[0]
+    sched = _cached_scheduler(400)
+    first = Request(0, prompt, SamplingParams(max_new_tokens=4), set())
+    asks = Request(1, prompt, SamplingParams(max_new_tokens=4, logprobs=0, prompt_logprobs=True), set())
+    sched.waiting.extend([first, asks])
+    assert sched.schedule_prefill() == [(first, 48), (asks, 48)]
+    assert asks.status is Status.PREFILLING and asks.cached_len == 0 and not sched.waiting
+    sched = _cached_scheduler(400)  # the same pair, the other not asking: it waits
+    plain = Request(2, prompt, SamplingParams(max_new_tokens=4), set())
+    sched.waiting.extend([first := Request(0, prompt, SamplingParams(max_new_tokens=4), set()), plain])
+    assert sched.schedule_prefill() == [(first, 48)] and list(sched.waiting) == [plain]
+
+
+def test_requests_whose_shared_head_is_cached_already_are_admitted_together():
+    """The wait for a shared head is for a head this pass computes: when the prefix cache holds it
+    already (an earlier request's), every request of that prompt finds it now, and all are admitted
+    in one pass, each computing only what follows."""
+    prompt = random_prompts([48], LLAMA_TINY["vocab_size"], seed=3)[0]
+    sched = _cached_scheduler(400)
+    sched.prefix_cache.insert(prompt[:40], sched.slots.alloc(40))
+    reqs = [Request(i, prompt, SamplingParams(max_new_tokens=4), set()) for i in range(3)]
+    sched.waiting.extend(reqs)
+    assert sched.schedule_prefill() == [(r, 8) for r in reqs]
+    assert [r.cached_len for r in reqs] == [40] * 3 and not sched.waiting
+
+
+def test_a_chunked_prompt_alone_takes_its_chunks_one_step_after_another():
+    """A prompt left part-way owes the running requests a decode step; with none running there is
+    nobody to owe it to, so the next chunk follows at once (no empty decode step between chunks).
+    With a request running, the owed decode step comes between the chunks."""
+    sched = _scheduler(400)
+    sched.chunking, sched.prefill_budget = True, 16  # as Scheduler(..., chunked_prefill_size=16) sets them
+    prompt = random_prompts([40], LLAMA_TINY["vocab_size"], seed=2)[0]
+    req = Request(0, prompt, SamplingParams(max_new_tokens=4), set())
+    sched.waiting.append(req)
+
+    def prefill(chunks):
+        with sched.new_slots(sum(n for _, n in chunks)) as slots:
+            for (r, n), s in zip(chunks, slots.split([n for _, n in chunks])):
+                sched.req_to_token_pool.req_to_token[r.row, r.prefilled : r.prefilled + n] = s
+        return sched.prefilled(chunks)
+
+    sizes = []
+    while req.status is not Status.RUNNING:
+        chunks = sched.schedule_prefill()
+        assert chunks, f"no chunk after {sizes}: a decode step owed with nothing running"
+        sizes.append(chunks[0][1])
+        prefill(chunks)
+    assert sizes == [16, 16, 8] and sched.running == [req]
+    late_prompt = random_prompts([40], LLAMA_TINY["vocab_size"], seed=5)[0]
+    late = Request(1, late_prompt, SamplingParams(max_new_tokens=4), set())
+    sched.waiting.append(late)
+    prefill(sched.schedule_prefill())  # its first chunk: now the running request is owed a decode step
+    assert sched.decode_owed and sched.schedule_prefill() == []
+    assert sched.schedule_decode() == [req] and sched.schedule_prefill() == [(late, 16)]
+

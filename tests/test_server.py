@@ -1308,3 +1308,110 @@ def test_bench_serving_lengths_at_a_range_ratio_of_0_are_at_least_1():
                                       "--random-range-ratio", "0", "--random-output-range-ratio", "0"])
     prompts = make_prompts(args, vocab_size=50)
     assert {len(p) for p, _ in prompts} == {1, 2} and {n for _, n in prompts} == {1, 2}
+
+
+@contextmanager
+def _fake_completions_server(num_tokens: int, usage_delay: float = 0.0):
+    """An aiohttp server in a thread whose /v1/completions streams num_tokens one-token chunks at once,
+    then, after usage_delay seconds, the usage chunk and [DONE]: what bench_serving.send reads -> its URL."""
+    from aiohttp import web
+
+    async def completions(request):
+        await request.json()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(num_tokens):
+            chunk = {"choices": [{"index": 0, "text": "x", "token_ids": [i + 5], "finish_reason": None}]}
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await asyncio.sleep(usage_delay)
+        usage = {"prompt_tokens": 3, "completion_tokens": num_tokens, "total_tokens": 3 + num_tokens}
+        await resp.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    loop, started = asyncio.new_event_loop(), threading.Event()
+    runner = web.AppRunner(app)
+    port = free_port()
+
+    def serve():
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(runner.setup())
+        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+        started.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    assert started.wait(10)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+def _bench_send(url: str, output_len: int):
+    from nano import bench_serving
+
+    async def send():
+        async with aiohttp.ClientSession() as session:
+            return await bench_serving.send(session, url, "model", [1, 2, 3], output_len)
+
+    return asyncio.run(send())
+
+
+def test_bench_serving_counts_an_answer_longer_than_asked_for_as_failed():
+    """A request asks for exactly its output length (max_tokens, ignore_eos): a server that streams
+    more tokens than that is wrong, and its answer is a failure, not a success that inflates the
+    throughput figures."""
+    with _fake_completions_server(4) as url:
+        longer, exact = _bench_send(url, 3), _bench_send(url, 4)
+    assert not longer.ok and longer.error == "asked for 3 tokens, got 4"
+    assert exact.ok and exact.output_tokens == 4 and exact.read_tokens == 4
+
+
+def test_bench_serving_e2e_latency_ends_at_the_last_token():
+    """E2E latency is request sent to last token (as vLLM's benchmark_serving: the trailing usage
+    chunk carries no token): a server slow to send its usage chunk after the last token does not
+    lengthen it, nor TPOT, which is computed from it."""
+    with _fake_completions_server(3, usage_delay=1.0) as url:
+        result = _bench_send(url, 3)
+    assert result.ok and len(result.itl) == 2
+    assert result.latency < 0.5, result.latency  # the tokens come at once; the usage chunk a second later
+    assert result.latency >= result.ttft + sum(result.itl) - 1e-6
+
+
+
+def test_a_chunked_body_over_the_limit_is_refused_with_413():
+    """A body sent with Transfer-Encoding: chunked announces no Content-Length: the limit holds for
+    what arrives, and the read stops once it is passed (a body of exactly the limit is read)."""
+    from starlette.requests import Request as HTTPRequest
+
+    from nano.api import read_json
+    from nano.engine_process import APIError
+
+    def chunked_request(body: bytes):
+        """-> (the request, the messages its server has not handed over yet)"""
+        pieces = [body[i : i + (64 << 10)] for i in range(0, len(body), 64 << 10)]
+        messages = [{"type": "http.request", "body": p, "more_body": True} for p in pieces]
+        messages.append({"type": "http.request", "body": b"", "more_body": False})
+
+        async def receive():
+            return messages.pop(0)
+
+        headers = [(b"content-type", b"application/json"), (b"transfer-encoding", b"chunked")]
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers}
+        return HTTPRequest(scope, receive), messages
+
+    fits = b'{"prompt": "hi"}'.ljust(MAX_BODY_BYTES)  # JSON may end in spaces
+    request, _ = chunked_request(fits)
+    assert asyncio.run(read_json(request)) == {"prompt": "hi"}
+    request, unread = chunked_request(fits + b" " * (1 << 20))
+    with pytest.raises(APIError) as refused:
+        asyncio.run(read_json(request))
+    assert refused.value.status == 413 and str(MAX_BODY_BYTES) in refused.value.message
+    assert len(unread) > 1  # refused as it passed the limit, not after reading the whole body
+
