@@ -31,6 +31,7 @@ scheduler bets (scheduler.py); without the flag, the same requests carry their e
 """
 
 import asyncio
+import contextlib
 import json
 import random
 import statistics
@@ -39,6 +40,7 @@ import time
 from dataclasses import dataclass, field
 
 import aiohttp
+import numpy as np
 
 from nano.cli import ArgumentParser, UsageError, cli
 
@@ -183,7 +185,7 @@ def report(args, results: list[Result], duration: float):
         print(f"{title:-^50}")
         print(f"{f'Mean {name} (ms):':<40} {statistics.mean(values):<10.2f}")
         print(f"{f'Median {name} (ms):':<40} {statistics.median(values):<10.2f}")
-        print(f"{f'P99 {name} (ms):':<40} {percentile(values, 99):<10.2f}")
+        print(f"{f'P99 {name} (ms):':<40} {np.percentile(values, 99):<10.2f}")  # as vLLM's and SGLang's
     print("=" * 50)
     if any(len(r.itl) != r.output_tokens - 1 for r in ok):
         print("warning: some chunks carried several tokens, so ITL spans them", file=sys.stderr)
@@ -193,14 +195,6 @@ def report(args, results: list[Result], duration: float):
 
 def ms(seconds: list[float]) -> list[float]:
     return [s * 1000 for s in seconds] or [0.0]
-
-
-def percentile(values: list[float], q: float) -> float:
-    """numpy's default (linear between the two nearest ranks), as vLLM's and SGLang's benchmarks report."""
-    ranked = sorted(values)
-    position = (len(ranked) - 1) * q / 100
-    low, high = int(position), min(int(position) + 1, len(ranked) - 1)
-    return ranked[low] + (ranked[high] - ranked[low]) * (position - low)
 
 
 def build_parser() -> ArgumentParser:
@@ -269,11 +263,10 @@ async def benchmark(args):
         poller = asyncio.create_task(poll_running(session, args.base_url, peak))
         results, duration = await send_all(session, args, prompts, card["id"])
         poller.cancel()
-        try:
+        counters = {}
+        with contextlib.suppress(aiohttp.ClientError):  # the server has gone: the requests' errors say so
             async with session.get(args.base_url + "/health") as resp:
                 counters = (await resp.json()).get("engine", {})
-        except aiohttp.ClientError:  # the server has gone: the requests' errors say so in the report
-            counters = {}
     report(args, results, duration)
     print(f"Most requests running at once: {peak['running']}; retractions: {counters.get('retractions')}, "
           f"tokens recomputed: {counters.get('recomputed_tokens')} (the server's counts since it started)")
@@ -282,11 +275,9 @@ async def benchmark(args):
 async def poll_running(session, url: str, peak: dict):
     """Poll /health while the benchmark runs: the most requests the engine ran at once."""
     while True:
-        try:
+        with contextlib.suppress(aiohttp.ClientError):  # a server gone mid-run fails the requests, not the benchmark
             async with session.get(url + "/health") as resp:
                 peak["running"] = max(peak["running"], (await resp.json())["running"])
-        except aiohttp.ClientError:  # a server gone mid-run fails the requests, not the benchmark
-            pass
         await asyncio.sleep(0.2)
 
 

@@ -81,9 +81,7 @@ def add_engine_args(p: argparse.ArgumentParser):
 
 def shipped_shape(name: str | None) -> Path | None:
     """The config folder of a shipped shape name (unless a folder of that name exists here), else None."""
-    if name in SHAPES and not Path(name).exists():
-        return SHIPPED_CONFIGS / name
-    return None
+    return SHIPPED_CONFIGS / name if name in SHAPES and not Path(name).exists() else None
 
 
 def resolve_model(name: str | None) -> Path:

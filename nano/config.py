@@ -230,11 +230,9 @@ def _parse_rope(raw: dict, source: str) -> tuple[float, dict | None]:
         if params["low_freq_factor"] >= params["high_freq_factor"]:  # the band between them divides by their gap
             raise ConfigError(f"{source}: rope_scaling's low_freq_factor must be below its high_freq_factor")
     if rope_type != "linear":  # transformers' order: a top-level value, the rope parameters', the context
-        if raw.get("original_max_position_embeddings") is not None:
-            params["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
-        params.setdefault("original_max_position_embeddings", raw["max_position_embeddings"])
-        params["original_max_position_embeddings"] = _size(source, "original_max_position_embeddings",
-                                                           params["original_max_position_embeddings"])
+        key = "original_max_position_embeddings"
+        original = params.get(key, raw["max_position_embeddings"])
+        params[key] = _size(source, key, original if raw.get(key) is None else raw[key])
         for key in ("mscale", "mscale_all_dim", "beta_fast", "beta_slow", "attention_factor"):  # yarn's, if given
             if params.get(key) is not None:
                 params[key] = float(params[key])

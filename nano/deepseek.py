@@ -40,7 +40,7 @@ from nano import ops
 from nano.config import ModelConfig
 from nano.forward_batch import ForwardBatch, batch_bucket
 from nano.model import CausalLM, DecoderLayer, Linear, RMSNorm, SwiGLU
-from nano.rope import RotaryEmbedding, yarn_mscale
+from nano.rope import RotaryEmbedding, pairs_to_halves, yarn_mscale
 
 # DeepSeek's reference code and HF transformers build the norms inside attention (q_a_layernorm,
 # kv_a_layernorm) with RMSNorm's default eps, not the config's rms_norm_eps (the same value in every
@@ -239,17 +239,11 @@ class DeepseekV2(CausalLM):
         if name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
             per_head = tensor.view(cfg.num_heads, cfg.head_dim, -1)  # [H, nope + rope, in]
             nope, rope = per_head.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=1)
-            return torch.cat([nope, _pairs_to_halves(rope)], dim=1).view_as(tensor)
+            return torch.cat([nope, pairs_to_halves(rope)], dim=1).view_as(tensor)
         if name.endswith("self_attn.kv_a_proj_with_mqa.weight"):
             latent, rope = tensor.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim])
-            return torch.cat([latent, _pairs_to_halves(rope)])
+            return torch.cat([latent, pairs_to_halves(rope)])
         return tensor
-
-
-def _pairs_to_halves(rows):
-    """Rope rows [..., d, in] ordered (x0, x1), (x2, x3), ... -> x0, x2, ..., then x1, x3, ...:
-    each rotated pair (2j, 2j+1) becomes (j, j + d/2), what rope.py rotates."""
-    return torch.cat([rows[..., 0::2, :], rows[..., 1::2, :]], dim=-2)
 
 
 def build_deepseek_v2(cfg: ModelConfig, use_mla: bool) -> CausalLM:

@@ -34,6 +34,8 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from tqdm import tqdm
 
+from nano.rope import pairs_to_halves
+
 
 def _user_cache() -> Path | None:
     """$XDG_CACHE_HOME/nano, else ~/.cache/nano (the XDG spec ignores a relative value); None where
@@ -64,6 +66,11 @@ LAYER_NAMES = {
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# config.json's sizes -> their keys in the GGUF's metadata, under "llama."
+CONFIG_KEYS = {"hidden_size": "embedding_length", "intermediate_size": "feed_forward_length",
+               "num_hidden_layers": "block_count", "num_attention_heads": "attention.head_count",
+               "num_key_value_heads": "attention.head_count_kv", "max_position_embeddings": "context_length",
+               "rope_theta": "rope.freq_base"}
 CONTROL_TOKEN_TYPE = 3  # llama.cpp's token type for special tokens such as <|im_start|>
 
 
@@ -183,33 +190,15 @@ def _hf_config(meta: dict, tied_embeddings: bool) -> dict:
     arch = meta["general.architecture"]
     if arch != "llama":
         raise DefaultModelError(f"the default model's GGUF says architecture {arch!r}, expected 'llama'")
-
-    def value(key):
-        return meta[f"{arch}.{key}"]
-
-    hidden_size = value("embedding_length")
-    num_heads = value("attention.head_count")
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": hidden_size,
-        "intermediate_size": value("feed_forward_length"),
-        "num_hidden_layers": value("block_count"),
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": value("attention.head_count_kv"),
-        "head_dim": hidden_size // num_heads,
-        "vocab_size": meta.get(f"{arch}.vocab_size", len(meta["tokenizer.ggml.tokens"])),
-        "max_position_embeddings": value("context_length"),
-        "rope_theta": value("rope.freq_base"),
-        # The file stores eps as a float32 (9.99999975e-06); write the decimal it came from (1e-05).
-        "rms_norm_eps": float(str(np.float32(value("attention.layer_norm_rms_epsilon")))),
-        "hidden_act": "silu",
-        "tie_word_embeddings": tied_embeddings,
-        "bos_token_id": meta["tokenizer.ggml.bos_token_id"],
-        "eos_token_id": meta["tokenizer.ggml.eos_token_id"],
-        "pad_token_id": meta["tokenizer.ggml.padding_token_id"],
-        "torch_dtype": "float32",
-    }
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+              "torch_dtype": "float32", "tie_word_embeddings": tied_embeddings,
+              **{key: meta[f"{arch}.{name}"] for key, name in CONFIG_KEYS.items()},
+              "vocab_size": meta.get(f"{arch}.vocab_size", len(meta["tokenizer.ggml.tokens"])),
+              # The file stores eps as a float32 (9.99999975e-06); write the decimal it came from (1e-05).
+              "rms_norm_eps": float(str(np.float32(meta[f"{arch}.attention.layer_norm_rms_epsilon"]))),
+              "bos_token_id": meta["tokenizer.ggml.bos_token_id"], "eos_token_id": meta["tokenizer.ggml.eos_token_id"],
+              "pad_token_id": meta["tokenizer.ggml.padding_token_id"]}
+    return config | {"head_dim": config["hidden_size"] // config["num_attention_heads"]}
 
 
 def _hf_state_dict(reader, config: dict) -> dict[str, torch.Tensor]:
@@ -218,22 +207,13 @@ def _hf_state_dict(reader, config: dict) -> dict[str, torch.Tensor]:
 
     state = {}
     for tensor in tqdm(reader.tensors, desc="dequantizing", unit="tensor", leave=False, disable=None):
-        weight = dequantize(tensor.data, tensor.tensor_type)
-        if ".attn_q." in tensor.name:
-            weight = _undo_rope_row_order(weight, config["num_attention_heads"])
-        elif ".attn_k." in tensor.name:
-            weight = _undo_rope_row_order(weight, config["num_key_value_heads"])
         # np.array copies: F32 tensors come back as views into the GGUF file, which is about to go.
-        state[_hf_tensor_name(tensor.name)] = torch.from_numpy(np.array(weight, dtype=np.float32))
+        weight = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
+        if ".attn_q." in tensor.name or ".attn_k." in tensor.name:  # each head's rope rows in pairs (rope.py)
+            heads = config["num_attention_heads" if ".attn_q." in tensor.name else "num_key_value_heads"]
+            weight = pairs_to_halves(weight.unflatten(0, (heads, -1))).flatten(0, 1)
+        state[_hf_tensor_name(tensor.name)] = weight
     return state
-
-
-def _undo_rope_row_order(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """HF rotates halves of each head: row j pairs with row j + head_dim/2. llama.cpp rotates
-    neighbours, so its converter stores each head's rows as (0, d/2, 1, d/2 + 1, ...); restore the
-    HF order."""
-    rows, cols = weight.shape
-    return weight.reshape(num_heads, rows // num_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
 def _hf_tensor_name(gguf_name: str) -> str:

@@ -86,3 +86,10 @@ class RotaryEmbedding(torch.nn.Module):
         q_out, the rotated q goes there instead (DeepSeek: into its attention query); with norm
         (x, weight, eps), x's rows are also normalised in place (DeepSeek's latent)."""
         ops.apply_rope_(q, k, self.cos_sin, positions, q_out, norm)
+
+
+def pairs_to_halves(rows: torch.Tensor) -> torch.Tensor:
+    """Rope rows [..., d, in] ordered (x0, x1), (x2, x3), ... -> x0, x2, ..., then x1, x3, ...: each
+    rotated pair (2j, 2j+1) becomes (j, j + d/2), what this module rotates. DeepSeek's checkpoints
+    and llama.cpp's converter (the GGUF of default_model.py) store rope rows in pairs."""
+    return torch.cat([rows[..., 0::2, :], rows[..., 1::2, :]], dim=-2)

@@ -262,10 +262,9 @@ class Answer:
 
     def __init__(self, state, body, chat: bool, prompts: list[list[int]]):
         self.tokenizer, self.body, self.chat, self.prompts = state.tokenizer, body, chat, prompts
+        kind = ("chat.completion.chunk" if body.stream else "chat.completion") if chat else "text_completion"
         self.head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
-                     "model": state.model_name, "object": "text_completion"}
-        if chat:
-            self.head["object"] = "chat.completion.chunk" if body.stream else "chat.completion"
+                     "model": state.model_name, "object": kind}
         self.echo = not chat and body.echo
         self.prompt_only = self.echo and body.max_tokens == 0  # echo alone: the one token computed is left out
         if self.echo:  # a text prompt as sent (as vLLM echoes it); token ids as their text, special tokens too

@@ -837,20 +837,6 @@ def test_stats_line_leaves_out_the_time_the_engine_sat_idle(tmp_path, monkeypatc
     assert len(rates) >= 4 and all(0.5 <= rate <= 1.0 for rate in rates), rates
 
 
-def test_bench_serving_percentiles_are_numpys():
-    """P99 as vLLM's and SGLang's benchmarks compute it (numpy's, interpolating between ranks): of 100
-    values, not the largest."""
-    import numpy as np
-
-    from nano.bench_serving import percentile
-
-    assert percentile([float(v) for v in range(1, 101)], 99) == pytest.approx(99.01)
-    for n in (1, 2, 7, 100, 1000):
-        values = np.random.default_rng(n).exponential(size=n).tolist()
-        for q in (50, 90, 99):
-            assert percentile(values, q) == pytest.approx(np.percentile(values, q))
-
-
 def test_bench_serving_report_figures(capsys):
     """The report's every figure, from three finished requests (one of a single token, which has no
     time per output token) and a failed one, over 2 s; computed here by hand."""
