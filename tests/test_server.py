@@ -1370,7 +1370,6 @@ def test_bench_serving_e2e_latency_ends_at_the_last_token():
     assert result.latency >= result.ttft + sum(result.itl) - 1e-6
 
 
-
 def test_a_chunked_body_over_the_limit_is_refused_with_413():
     """A body sent with Transfer-Encoding: chunked announces no Content-Length: the limit holds for
     what arrives, and the read stops once it is passed (a body of exactly the limit is read)."""
@@ -1401,3 +1400,129 @@ def test_a_chunked_body_over_the_limit_is_refused_with_413():
     assert refused.value.status == 413 and str(MAX_BODY_BYTES) in refused.value.message
     assert len(unread) > 1  # refused as it passed the limit, not after reading the whole body
 
+
+def test_a_finished_requests_logprobs_leave_the_engine_and_its_prompts_come_once(tiny_model):
+    """_step sends the prompt's logprobs with a request's first token only (not re-sent, pickled,
+    every step), and drops the engine's logprobs of a request once its last token is out."""
+    from nano.engine_process import _step
+    from nano.sampling import SamplingParams
+
+    engine = Engine(tiny_model, EngineConfig(max_total_tokens=2000, log=False))
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True, logprobs=1, prompt_logprobs=True)
+    requests, events = {0: engine.add_request([1, 2, 3, 4], params)}, []
+    while engine.has_work():
+        events += [event for _, event in _step(engine, requests)]
+    assert [e.finish_reason for e in events] == [None, None, "length"]
+    assert len(events[0].prompt_logprobs) == 3 and [e.prompt_logprobs for e in events[1:]] == [None, None]
+    assert not requests and not engine.logprobs
+
+
+def test_a_stream_leaves_the_client_with_its_last_event_or_its_abort():
+    """EngineClient.streams holds a stream until its finish_reason, its error or its abort: a server
+    that kept them would grow by every request it ever answered, and fail them all again when the engine died."""
+    from nano.engine_process import APIError, Ready, Stream, Token
+    from nano.sampling import SamplingParams
+
+    class Worker:
+        def is_alive(self):
+            return True
+
+    outbox = queue.Queue()
+    outbox.put(Ready(vocab_size=100, eos_token_ids=[0], context_length=64, state={}))
+    client = EngineClient(queue.Queue(), outbox, Worker())
+    streams = [Stream([5, 6], SamplingParams(max_new_tokens=2), set()) for _ in range(3)]
+    for stream in streams:
+        client.submit(stream)
+    client._deliver([(0, Token(7, None)), (0, Token(8, "length")), (1, APIError(500, "failed")), (2, Token(9, None))])
+    assert list(client.streams) == [2] and [s.events.qsize() for s in streams] == [2, 1, 1]
+    client.abort(streams[2])
+    client._deliver([(2, Token(10, None))])  # a token the engine sent before it read the abort
+    assert not client.streams and streams[2].events.qsize() == 1
+
+
+def test_a_stop_ends_the_reader_without_failing_anything(capsys):
+    """Shutdown is the engine's last message on a stop: the reader ends there. Reading on, it waited for
+    the process to exit, then logged that the engine died and failed every open stream with a 500."""
+    from nano.engine_process import Ready, Shutdown, StepOutput, Token
+
+    class Worker:  # the engine's process, gone once it has sent Shutdown
+        def is_alive(self):
+            return False
+
+    outbox, callbacks = queue.Queue(), []
+    for message in (Ready(vocab_size=100, eos_token_ids=[0], context_length=64, state={}),
+                    StepOutput([(0, Token(7, "length"))], {"running": 0}), Shutdown()):
+        outbox.put(message)
+    client = EngineClient(queue.Queue(), outbox, Worker())
+    client.loop = type("Loop", (), {"call_soon_threadsafe": lambda self, *call: callbacks.append(call)})()
+    client._read()
+    assert len(callbacks) == 1 and client.state == {"running": 0}  # the step's events, nothing after
+    assert "error" not in capsys.readouterr().err
+
+
+def test_an_aborted_request_leaves_the_engine_loops_table(tiny_model):
+    """run_engine forgets a request it aborts: a step that fails later fails what it ran, and sends no
+    500 for a stream whose client has gone (kept, every aborted request stayed in the table for ever)."""
+    from nano.engine_process import Abort, AddRequest, APIError, Shutdown, run_engine
+    from nano.sampling import SamplingParams
+
+    engine = Engine(tiny_model, EngineConfig(max_total_tokens=2000, log=False))
+    params = SamplingParams(max_new_tokens=100, ignore_eos=True)
+
+    def broken(batch, attn):
+        raise RuntimeError("injected fault")
+
+    def second_request():
+        engine.model = broken  # its prefill raises
+        return AddRequest(1, [4, 5, 6], params, set())
+
+    class Inbox:  # while idle the loop waits in get(); between steps it reads what has come (get_nowait)
+        script = [("wait", lambda: AddRequest(0, [1, 2, 3], params, set())), ("now", lambda: Abort(0)),
+                  ("wait", second_request), ("wait", Shutdown)]
+        fresh = False
+
+        def get(self):
+            self.fresh = True
+            return self.script.pop(0)[1]()
+
+        def get_nowait(self):
+            if self.fresh or not self.script or self.script[0][0] != "now":
+                self.fresh = False
+                raise queue.Empty
+            return self.script.pop(0)[1]()
+
+    outbox = queue.Queue()
+    run_engine(engine, Inbox(), outbox)
+    outputs = [outbox.get_nowait() for _ in range(outbox.qsize())]
+    errors = [(sid, event.status) for out in outputs[1:-1] for sid, event in out.events if isinstance(event, APIError)]
+    assert errors == [(1, 500)] and not engine.has_work()
+
+
+def test_an_idle_engine_loop_waits_in_its_inbox(tiny_model):
+    """With no work the loop blocks in inbox.get(), and between steps it only polls (get_nowait): an
+    idle server that polled would spin a core and flood the HTTP side with empty StepOutputs."""
+    from nano.engine_process import AddRequest, Shutdown, run_engine
+    from nano.sampling import SamplingParams
+
+    engine = Engine(tiny_model, EngineConfig(max_total_tokens=2000, log=False))
+
+    class Inbox:
+        waits, polls = 0, 0
+
+        def get(self):
+            self.waits += 1
+            return AddRequest(0, [1, 2, 3], SamplingParams(max_new_tokens=3, ignore_eos=True), set()) \
+                if self.waits == 1 else Shutdown()
+
+        def get_nowait(self):
+            self.polls += 1
+            if self.polls == 100:  # a loop that never waits: end it
+                return Shutdown()
+            raise queue.Empty
+
+    inbox, outbox = Inbox(), queue.Queue()
+    run_engine(engine, inbox, outbox)
+    assert inbox.waits == 2 and inbox.polls < 10, (inbox.waits, inbox.polls)
+    tokens = [event for _ in range(outbox.qsize()) if hasattr(out := outbox.get_nowait(), "events")
+              for _, event in out.events]
+    assert [t.finish_reason for t in tokens] == [None, None, "length"]

@@ -275,3 +275,26 @@ def test_of_two_stop_strings_in_one_push_the_first_to_begin_wins(tokenizer):
         if stop is not None:
             break
     assert ("".join(sent), stop) == ("on", "e t")
+
+
+def test_stream_decoder_re_decodes_a_window_not_the_whole_text(tokenizer, monkeypatch):
+    """Each token re-decodes the last printed tokens as context, a few, never all the text so far:
+    a 4,000-token answer would decode 8 million ids, in the server's event loop."""
+    text = "The capital of France is Paris. " * 40
+    ids, lengths, decode = tokenizer.encode_text(text), [], tokenizer.decode
+    monkeypatch.setattr(tokenizer, "decode", lambda ids, *args: (lengths.append(len(ids)), decode(ids, *args))[1])
+    decoder = StreamDecoder(tokenizer)
+    assert "".join(decoder.push(t) for t in ids) == text and len(ids) > 200
+    assert max(lengths) <= StreamDecoder.CONTEXT_TOKENS + 2, max(lengths)
+
+
+def test_stream_decoder_keeps_the_space_after_a_special_token(tmp_path):
+    """A special token prints nothing (an EOS mid-stream under ignore_eos): the window of printed tokens
+    keeps the text before it as context, so a SentencePiece "▁b" after it still reads " b" (alone: "b")."""
+    save_byte_fallback_tokenizer(tmp_path)
+    tokenizer = Tokenizer(tmp_path)
+    piece = tokenizer._tokenizer.token_to_id
+    prompt_ids, answer_ids = tokenizer.encode_prompt("a", False), [piece("▁a"), piece("</s>"), piece("▁b")]
+    decoder = StreamDecoder(tokenizer, prompt_ids)
+    assert [decoder.push(t) for t in answer_ids] == [" a", "", " b"]
+    assert tokenizer.decode(prompt_ids + answer_ids) == "a a b"

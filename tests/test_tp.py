@@ -562,3 +562,32 @@ ne.Engine(path, ne.EngineConfig(tp_size=2, max_total_tokens=64, log=False))
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(worker, signal.SIGKILL)
+
+
+def test_ranks_that_share_a_kv_head_hold_the_one_their_query_heads_read():
+    """2 KV heads on 4 ranks: ranks 0 and 1 hold query heads 0-15, which read KV head 0; ranks 2 and 3
+    KV head 1 (not alternating: rank 1 with KV head 1 would attend with the wrong keys)."""
+    from dataclasses import replace
+
+    from nano.cli import SHIPPED_CONFIGS
+    from nano.config import load_config
+    from nano.tp import checkpoint_shard
+
+    cfg = replace(load_config(SHIPPED_CONFIGS / "llama-3-8b"), num_kv_heads=2)  # 32 query heads
+    for role in ("k_proj", "v_proj"):
+        blocks = [checkpoint_shard(f"model.layers.0.self_attn.{role}.weight", cfg, rank, 4) for rank in range(4)]
+        assert blocks == [(0, 2, 0), (0, 2, 0), (0, 2, 1), (0, 2, 1)], role
+
+
+def test_an_expert_width_that_does_not_split_is_refused():
+    """Each routed expert's width is split over the ranks: an odd one is refused, as the MLP width is."""
+    from dataclasses import replace
+
+    from nano.cli import SHIPPED_CONFIGS
+    from nano.config import ConfigError, load_config
+    from nano.tp import shard_config
+
+    cfg = load_config(SHIPPED_CONFIGS / "deepseek-v2-lite")
+    assert shard_config(cfg, 2).moe_intermediate_size == cfg.moe_intermediate_size // 2
+    with pytest.raises(ConfigError, match=r"over 2 GPUs: its expert width \(1409\) is not a multiple of 2$"):
+        shard_config(replace(cfg, moe_intermediate_size=1409), 2)
