@@ -62,7 +62,6 @@ import math
 import multiprocessing.connection
 import os
 import signal
-import socket
 import sys
 import threading
 import traceback
@@ -122,7 +121,7 @@ class TensorParallel:
     """This process's place among the ranks, and every collective the model and the engine use.
     Rank 0 also holds the pipes to the workers and the worker processes."""
 
-    def __init__(self, rank: int, size: int, port: int, device: torch.device, pipes=(), workers=()):
+    def __init__(self, rank: int, size: int, port: int, device: torch.device, pipes=(), workers=(), store=None):
         self.rank, self.size, self.device = rank, size, device
         self.pipes, self.workers, self.closed, self.interrupted = list(pipes), list(workers), False, False
         on_gpu = device.type == "cuda"
@@ -131,8 +130,9 @@ class TensorParallel:
         if rank == 0:  # from before the rendezvous, which waits out the group's timeout (NCCL 10 min, gloo 30)
             threading.Thread(target=self._exit_if_a_worker_dies, daemon=True).start()
         try:
-            dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                    rank=rank, world_size=size, device_id=device if on_gpu else None)
+            store = store or dist.TCPStore("127.0.0.1", port, size, is_master=False)  # (rank 0's is launch's)
+            dist.init_process_group("nccl" if on_gpu else "gloo", store=store, rank=rank, world_size=size,
+                                    device_id=device if on_gpu else None)
             self.group = dist.group.WORLD
             self.all_reduce(torch.zeros(1, device=device))  # connect now, not inside a graph capture
         except BaseException:  # Ctrl-C, say: the workers, which wait for rank 0, would be reported as dead
@@ -277,9 +277,10 @@ def launch(cfg: ModelConfig, size: int, device: torch.device, worker) -> TensorP
     if device.type == "cuda" and torch.cuda.device_count() < (device.index or 0) + size:
         raise ConfigError(f"tensor parallelism over {size} GPUs from {device}, but {torch.cuda.device_count()} "
                           "are visible")
-    with socket.socket() as s:  # a free port for the process group's rendezvous
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # The rendezvous: a key-value store the ranks meet at, on a port the OS picks and rank 0 holds from now on
+    # (a port found free, then bound again once the workers start, can be taken by another program between).
+    store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False)
+    port = store.port
     context = torch.multiprocessing.get_context("spawn")
     pipes, workers = [], []
     stays = callable(signal.getsignal(signal.SIGTERM))  # rank 0 outlives SIGTERM: see _run_worker
@@ -298,7 +299,7 @@ def launch(cfg: ModelConfig, size: int, device: torch.device, worker) -> TensorP
         workers.append(process)
     if hears:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    return TensorParallel(0, size, port, rank_device(device, 0), pipes, workers)
+    return TensorParallel(0, size, port, rank_device(device, 0), pipes, workers, store)
 
 
 def _run_worker(outlives_sigterm: bool, hears_ctrl_c: bool, worker, *args):

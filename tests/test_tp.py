@@ -407,6 +407,30 @@ ne.Engine(path, ne.EngineConfig(tp_size=2, max_total_tokens=64, log=False))
     assert not _running_after(worker, 10)
 
 
+def test_the_rendezvous_port_is_held_from_before_the_first_worker_starts(tmp_path, monkeypatch):
+    """A port found free, then bound again once the workers had started, could be taken by another
+    program in between (the rendezvous failed with a traceback): a look at the port just before each
+    worker starts finds it taken."""
+    import multiprocessing
+    import socket
+
+    save_tiny_llama(tmp_path, "gqa4-tied")
+    spawned, found_free = multiprocessing.get_context("spawn").Process, []
+    real_start = spawned.start
+
+    def start_after_a_look(process):
+        port = process._args[4]  # _run_worker's (outlives_sigterm, hears_ctrl_c, worker, rank, port, pipe)
+        with socket.socket() as other_program, contextlib.suppress(OSError):
+            other_program.bind(("127.0.0.1", port))
+            found_free.append(port)
+        real_start(process)
+
+    monkeypatch.setattr(spawned, "start", start_after_a_look)
+    engine = Engine(tmp_path, EngineConfig(max_total_tokens=64, tp_size=2, log=False))
+    engine.close()
+    assert [w.exitcode for w in engine.tp.workers] == [0] and found_free == []
+
+
 def test_rank_0_failing_alone_at_startup_is_one_line(tmp_path):
     """Rank 0's GPU short of memory while rank 1's has room: rank 1 waits for rank 0 in the KV cache's
     sizing. The command ends with rank 0's one line and status 2, no traceback or warning from rank 1."""
