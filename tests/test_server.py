@@ -735,6 +735,7 @@ def in_process_server(engine, tokenizer):
     thread = threading.Thread(target=server.run)
     thread.start()
     while not server.started:
+        assert thread.is_alive(), f"the in-process server did not start (port {port} taken in between?)"
         time.sleep(0.05)
     try:
         yield f"http://127.0.0.1:{port}", client
@@ -1077,14 +1078,17 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(server, path):
             done["status"] = call(server, path, body)[0]
         done["took"] = time.perf_counter() - started
 
-    sender = threading.Thread(target=send)
-    sender.start()
-    waits = []
-    while sender.is_alive():  # /health, again and again while the prompt is sent and tokenized
-        started = time.perf_counter()
-        assert call(server, "/health")[0] == 200
-        waits.append(time.perf_counter() - started)
-    sender.join()
+    for attempt in range(3):  # a loop that blocks does so every time; a loaded machine's one stall need not
+        sender = threading.Thread(target=send)
+        sender.start()
+        waits = []
+        while sender.is_alive():  # /health, again and again while the prompt is sent and tokenized
+            started = time.perf_counter()
+            assert call(server, "/health")[0] == 200
+            waits.append(time.perf_counter() - started)
+        sender.join()
+        if max(waits) < done["took"] / 6:
+            break
     assert done["status"] == (200 if path in ("/tokenize", "/detokenize") else 400)  # too long for the context
     assert max(waits) < done["took"] / 6, (max(waits), done["took"])
 
