@@ -246,9 +246,11 @@ class Detokenizer:
             return text[:cut], stop
         if last:
             return text, None
-        # no longer than the text: a request's stop string can be megabytes, and this runs per token
-        held = max((k for s in self.stop for k in range(1, min(len(s), len(text) + 1)) if text.endswith(s[:k])),
-                   default=0)
+        # The longest end of the text that begins a stop string, tried longest first and no longer than the
+        # text: a stop string can be megabytes, and the held text began one, so it mostly matches at once.
+        held = 0
+        for s in self.stop:
+            held = next((k for k in range(min(len(s) - 1, len(text)), held, -1) if text.endswith(s[:k])), held)
         self.held = text[len(text) - held :]
         return text[: len(text) - held], None
 
