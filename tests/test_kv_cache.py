@@ -290,3 +290,19 @@ def test_an_engine_says_what_it_loaded_and_the_kv_cache_it_sized(tmp_path, capsy
     engine = Engine(tmp_path, EngineConfig(max_total_tokens=tokens))
     err = capsys.readouterr().err
     assert "loaded LlamaForCausalLM (" in err and f"KV cache: {tokens} tokens ({engine.kv_bytes_per_token:,} bytes" in err
+
+
+def test_a_model_that_fits_free_memory_exactly_is_let_through(monkeypatch):
+    """ensure_fits refuses only what exceeds the free memory: needing exactly what is free fits."""
+    from nano import memory
+
+    rng = random.Random(1)
+    for _ in range(10):
+        parts = {"float32 weights": rng.randint(1, 2**34), "KV cache": rng.randint(1, 2**32),
+                 "request table": rng.randint(1, 2**20)}
+        total = sum(parts.values())
+        monkeypatch.setattr(memory, "free_bytes", lambda device, total=total: total)
+        memory.ensure_fits(torch.device("cpu"), torch.float32, parts)
+        monkeypatch.setattr(memory, "free_bytes", lambda device, total=total: total - 1)
+        with pytest.raises(memory.NotEnoughMemoryError):
+            memory.ensure_fits(torch.device("cpu"), torch.float32, parts)

@@ -9,6 +9,7 @@ import pytest
 
 from nano.engine import Engine, EngineConfig
 from nano.sampling import SamplingParams
+from nano.scheduler import Status
 from tests.helpers import LLAMA_TINY, random_prompts, save_tiny_llama
 
 POOL = 400
@@ -140,3 +141,23 @@ def test_overlap_is_the_default(tmp_path):
     engine.step()  # the prefill
     engine.step()  # a decode pass launched, the one before it (none) booked
     assert engine.in_flight is not None and engine.in_flight.reqs
+
+
+def test_a_retraction_with_a_pass_in_flight_books_it_first_at_the_last_free_slot(tmp_path):
+    """Two requests decode with overlap on a pool that, after some steps, has exactly one slot left for
+    the two of them: the engine must book the pass in flight before the scheduler retracts (the room
+    is short by one, not only when none is left), and every request still gets a roomy pool's tokens."""
+    save_tiny_llama(tmp_path, "gqa")
+    prompts = random_prompts([10, 10], LLAMA_TINY["vocab_size"], seed=12)
+    params = [SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=0.7, seed=s) for s in (1, 2)]
+    expected = Engine(tmp_path, EngineConfig(max_total_tokens=400, log=False)).generate(prompts, params)
+    pool = 2 * 10 + 2 * 5 + 1  # odd: after 5 decode launches of 2 slots, one slot is left
+    engine = Engine(tmp_path, EngineConfig(max_total_tokens=pool, overlap=True, chunked_prefill_size=0, log=False))
+    engine.scheduler.new_token_ratio = 0.1  # admit both in one prefill
+    reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    engine.step()
+    assert all(r.status is Status.RUNNING for r in reqs)
+    while engine.has_work():
+        engine.step()
+    assert [r.output_ids for r in reqs] == expected and engine.stats["retractions"] > 0
+    assert engine.slots.available + engine.prefix_cache.size == pool and engine.prefix_cache.locked_size == 0

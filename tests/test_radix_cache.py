@@ -241,3 +241,22 @@ def test_running_requests_decode_between_the_chunks_of_a_long_prompt(tmp_path):
     while engine.has_work():
         engine.step()
     assert [running.output_ids, late.output_ids] == plain.generate([short, long], [params, late.params])
+
+
+def test_a_parent_left_a_leaf_by_an_eviction_keeps_its_own_age():
+    """Evicting a leaf can leave its parent a leaf; the parent then competes at the age of its own last
+    use, not as if used just now: older than another leaf, it goes first."""
+    rng = random.Random(2)
+    for trial in range(10):
+        allocator = SlotAllocator(64, "cpu")
+        tree = RadixCache(allocator)
+        a, b = rng.randint(2, 6), rng.randint(1, 6)
+        seq = random_prompts([a + b], LLAMA_TINY["vocab_size"], seed=trial)[0]
+        other = [seq[0] + 1] + random_prompts([rng.randint(1, 6)], LLAMA_TINY["vocab_size"], seed=50 + trial)[0]
+        tree.insert(seq, allocator.alloc(a + b))
+        tree.match(seq[:a])  # splits seq into parent seq[:a] (used now) and its leaf seq[a:] (older)
+        tree.insert(other, allocator.alloc(len(other)))  # a leaf newer than both
+        tree.match([seq[0] + 2])  # time passes (a miss)
+        tree.evict(b + 1)  # the old leaf, then the next oldest: the parent it left, not `other`
+        assert tree.match(seq)[0].numel() == 0 and tree.match(other)[0].numel() == len(other), trial
+        assert allocator.available + tree.size == 64

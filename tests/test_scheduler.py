@@ -357,6 +357,83 @@ def _running(sched, rng, prompt_len: int, out_len: int, max_new_tokens: int):
     return req
 
 
+def _book_prefill(sched, chunks):
+    """What the engine's _prefill does to the scheduler, without a model: slots for the pass, then prefilled()."""
+    with sched.new_slots(sum(n for _, n in chunks)) as slots:
+        for (r, n), s in zip(chunks, slots.split([n for _, n in chunks])):
+            sched.req_to_token_pool.req_to_token[r.row, r.prefilled : r.prefilled + n] = s
+    return sched.prefilled(chunks)
+
+
+def test_the_last_request_admitted_is_cut_to_the_chunk_budget_left():
+    """With chunking, requests are admitted while the pass has budget left, and the last one is cut to
+    exactly what is left (the docstring's rule), also when its prompt fills the budget to the token."""
+    for trial in range(20):
+        rng = random.Random(trial)
+        budget = rng.randint(8, 32)
+        sched = _scheduler(2000)
+        sched.chunking, sched.prefill_budget = True, budget  # as Scheduler(..., chunked_prefill_size=budget) sets them
+        first_len = rng.randint(1, budget - 1)
+        second_len = rng.randint(budget - first_len, 40)  # reaches the budget exactly, or passes it
+        prompts = random_prompts([first_len, second_len], LLAMA_TINY["vocab_size"], seed=trial)
+        reqs = [Request(i, p, SamplingParams(max_new_tokens=4), set()) for i, p in enumerate(prompts)]
+        sched.waiting.extend(reqs)
+        assert sched.schedule_prefill() == [(reqs[0], first_len), (reqs[1], budget - first_len)], trial
+        assert not sched.waiting
+
+
+def test_aborting_a_prompt_part_way_lets_the_next_prompt_in_at_once():
+    """A prompt left part-way owes the running requests a decode step; aborted (a client gone), it owes
+    nothing: the next step may admit a waiting request at once instead of running an owed decode."""
+    rng = random.Random(3)
+    sched = _scheduler(400)
+    sched.chunking, sched.prefill_budget = True, 16
+    runner = _running(sched, rng, 6, 2, 50)
+    long_prompt = random_prompts([40], LLAMA_TINY["vocab_size"], seed=2)[0]
+    long = Request(1, long_prompt, SamplingParams(max_new_tokens=4), set())
+    sched.waiting.append(long)
+    chunks = sched.schedule_prefill()
+    assert chunks == [(long, 16)] and _book_prefill(sched, chunks) == [] and sched.decode_owed
+    sched.finish(long)  # the abort
+    assert sched.chunked is None and sched.running == [runner]
+    late = Request(2, random_prompts([9], LLAMA_TINY["vocab_size"], seed=7)[0], SamplingParams(max_new_tokens=4), set())
+    sched.waiting.append(late)
+    assert sched.wants_prefill() and sched.schedule_prefill() == [(late, 9)]
+    assert sched.slots.available == 400 - runner.kv_len  # the aborted prompt's 16 slots came back
+
+
+def test_a_retracted_request_recomputes_only_what_the_cache_lost(tmp_path):
+    """Retracted with its K/V put in the prefix cache and nothing evicted since, a request's second
+    admission computes one token (the last, whose logits it samples from): recomputed_tokens counts
+    that, not its whole prompt + output; its tokens are those of an engine that never retracted."""
+    save_tiny_llama(tmp_path, "gqa")
+    prompt = random_prompts([20], LLAMA_TINY["vocab_size"], seed=11)[0]
+    params = SamplingParams(max_new_tokens=10, temperature=0.8, seed=5, ignore_eos=True)
+    engine = Engine(tmp_path, EngineConfig(max_total_tokens=200, overlap=False, log=False))
+    req = engine.add_request(prompt, params)
+    for _ in range(4):  # the prefill, then 3 decode steps (booked: overlap off)
+        engine.step()
+    assert len(req.output_ids) == 4 and req.in_flight == 0
+    engine.scheduler.retract(req)
+    engine.step()  # admitted again: prompt + 4 tokens, all cached but the last
+    assert engine.stats["retractions"] == 1 and engine.stats["recomputed_tokens"] == 1
+    assert engine.stats["prefill_tokens"] == 20 and len(req.output_ids) == 5
+    while engine.has_work():
+        engine.step()
+    plain = Engine(tmp_path, EngineConfig(max_total_tokens=200, radix_cache=False, log=False))
+    assert req.output_ids == plain.generate([prompt], params)[0]
+
+
+def test_a_token_id_at_the_vocabulary_size_is_refused():
+    """Ids index the embedding, whose rows are 0..vocab-1: the id vocab_size itself is one past the table."""
+    vocab = LLAMA_TINY["vocab_size"]
+    prompt = random_prompts([10], vocab, seed=4)[0]
+    check_request(prompt + [vocab - 1, 0], SamplingParams(), vocab, 64)
+    for bad in (vocab, -1):
+        with pytest.raises(ValueError, match=r"token ids must be in \[0, 320\)"):
+            check_request(prompt + [bad], SamplingParams(), vocab, 64)
+
+
 def test_retraction_takes_the_fewest_generated_then_the_longest_prompt():
     """A decode step short of slots retracts, one at a time, the request with the fewest generated
     tokens, among those the longest prompt (SGLang's rule), until the rest each get a slot."""
