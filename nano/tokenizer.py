@@ -232,27 +232,54 @@ class Detokenizer:
 
     def __init__(self, tokenizer: Tokenizer | None, context_ids: list[int], stop: list[str]):
         self.decoder = StreamDecoder(tokenizer, context_ids) if tokenizer else None
-        self.stop, self.held = stop, ""
+        self.stop, self.held = [StopMatcher(s) for s in stop], ""
 
     def push(self, token: int, last: bool = False) -> tuple[str, str | None]:
         """-> (text to send now, the stop string reached or None); the request's `last` token
         sends all that is left."""
         if self.decoder is None:
             return "", None
-        text = self.held + self.decoder.push(token, last)
-        cuts = [(i, s) for s in self.stop if (i := text.find(s)) >= 0]
+        piece = self.decoder.push(token, last)
+        text, cuts = self.held + piece, []
+        for stop in self.stop:  # each reads the new characters alone: the held text can be the whole answer
+            end = next((i + 1 for i, char in enumerate(piece) if stop.read(char)), None)
+            if end is not None:
+                cuts.append((len(self.held) + end - len(stop.text), stop.text))
         if cuts:
             cut, stop = min(cuts, key=lambda c: c[0])  # the first to begin (of two there, the first listed)
             return text[:cut], stop
         if last:
             return text, None
-        # The longest end of the text that begins a stop string, tried longest first and no longer than the
-        # text: a stop string can be megabytes, and the held text began one, so it mostly matches at once.
-        held = 0
-        for s in self.stop:
-            held = next((k for k in range(min(len(s) - 1, len(text)), held, -1) if text.endswith(s[:k])), held)
+        held = max((stop.matched for stop in self.stop), default=0)  # the longest end that begins one
         self.held = text[len(text) - held :]
         return text[: len(text) - held], None
+
+
+class StopMatcher:
+    """One stop string, read against the text one character at a time (Knuth-Morris-Pratt): `matched`
+    is the length of the longest end of the text so far that begins it. On a character that does not
+    continue the match, it falls back to the longest shorter match, from a table of the stop string's
+    own prefixes, instead of trying every length again: constant work per character, however long the
+    held text. The table grows only as far as the matches reach, as a stop string can be megabytes."""
+
+    def __init__(self, text: str):
+        self.text, self.matched, self.fallback = text, 0, [0, 0]  # fallback[n]: for a match of length n
+
+    def read(self, char: str) -> bool:
+        """-> whether the text now ends with the whole stop string."""
+        while self.matched and self.text[self.matched] != char:
+            self.matched = self._fallback(self.matched)
+        self.matched += self.text[self.matched] == char
+        return self.matched == len(self.text)
+
+    def _fallback(self, n: int) -> int:
+        """The longest proper prefix of text[:n] that is also its end."""
+        while len(self.fallback) <= n:
+            length, k = len(self.fallback), self.fallback[-1]  # extend the match of text[:length - 1]
+            while k and self.text[k] != self.text[length - 1]:
+                k = self.fallback[k]
+            self.fallback.append(k + (self.text[k] == self.text[length - 1]))
+        return self.fallback[n]
 
 
 def _read_json(path: Path) -> dict:

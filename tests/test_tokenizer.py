@@ -200,23 +200,45 @@ def test_a_long_stop_string_costs_little_per_token(tokenizer):
 
 def test_an_answer_held_back_whole_costs_little_per_token(tokenizer):
     """An answer that keeps matching the start of a stop string is held back whole. Each token's check
-    tried every length of the held text, each a slice of the stop string: the held text's length
-    squared per token and stop string (16 of them 50 s of a 2,400-token answer, in the server's event
-    loop). Tried longest first, the held text matches at once."""
+    tried every length of the held text against every stop string, a slice each: the held text's
+    length squared per token and stop string (16 of them 50 s of a 2,400-token answer, in the server's
+    event loop). Each stop string now reads each new character once: a few looks per character."""
     class CountedStop(str):
-        slices = 0
+        looks = 0
 
         def __getitem__(self, key):
-            CountedStop.slices += 1
+            CountedStop.looks += 1
             return str.__getitem__(self, key)
 
     answer = "The cat sat on the mat and looked at the moon. " * 20
     ids = tokenizer.encode_text(answer)
-    stops = [CountedStop("looked away"), CountedStop(answer + "\x00"), CountedStop(answer + "!")]
+    stops = [CountedStop(s) for s in ("\x01" * 5000, "looked away", "The cat sat on the mat. " * 3, answer + "\x00")]
     detokenizer = Detokenizer(tokenizer, [], stops)
     assert "".join(detokenizer.push(t)[0] for t in ids) == "" and detokenizer.held == answer
-    assert CountedStop.slices <= 16 * len(ids), CountedStop.slices  # the short one's 10 lengths, a few more
+    assert CountedStop.looks <= 4 * len(stops) * len(answer), CountedStop.looks
     assert detokenizer.push(tokenizer.eos_token_ids[0], last=True) == (answer, None)
+
+
+def test_stop_strings_cut_and_hold_back_as_a_search_of_the_whole_text_does(tokenizer):
+    """Against the rule written plainly, over all the text so far at every token: the text ends where
+    the first stop string to begin begins (of two at one place, the first listed); short of one, what
+    is sent is all but the longest end that begins one. Small alphabets: matches overlap and restart."""
+    rng = random.Random(0)
+    for trial in range(300):
+        alphabet = rng.choice(["ab", "abc", "a b"])
+        ids = tokenizer.encode_text("".join(rng.choices(alphabet, k=rng.randint(1, 40))))
+        stops = ["".join(rng.choices(alphabet, k=rng.randint(1, 6))) for _ in range(rng.randint(1, 4))]
+        detokenizer, sent = Detokenizer(tokenizer, [], stops), ""
+        for i, token_id in enumerate(ids):
+            text, stopped = detokenizer.push(token_id)
+            sent += text
+            so_far = tokenizer.decode(ids[: i + 1])
+            cuts = [(so_far.find(s), s) for s in stops if s in so_far]
+            if cuts:
+                assert (sent, stopped) == (so_far[: min(c for c, _ in cuts)], min(cuts, key=lambda c: c[0])[1])
+                break
+            held = max((k for s in stops for k in range(1, len(s)) if so_far.endswith(s[:k])), default=0)
+            assert stopped is None and sent == so_far[: len(so_far) - held], (trial, so_far, stops)
 
 
 def test_token_texts_join_up_to_the_text(tmp_path):
