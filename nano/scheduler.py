@@ -280,7 +280,7 @@ class Scheduler:
         """Requests leave, whatever their state (EOS, a stop id, the budget, or an abort; also those
         of a step that raised), and give back all they hold."""
         for req in reqs:
-            if req in self.waiting:
+            if req.status is not Status.RUNNING and req in self.waiting:  # (never there: spare it the scan)
                 self.waiting.remove(req)
             if req.row >= 0:
                 self._release(req)

@@ -434,6 +434,28 @@ def test_a_token_id_at_the_vocabulary_size_is_refused():
             check_request(prompt + [bad], SamplingParams(), vocab, 64)
 
 
+def test_a_running_request_that_ends_does_not_search_the_queue():
+    """A running request is never in the waiting queue: each that ended looked for itself there, and
+    with 40,000 queued that was 0.7 ms per request, 190 ms for a step where 256 ended. A queued one
+    that is aborted still leaves it."""
+    class CountedQueue(type(_scheduler(8).waiting)):
+        searches = 0
+
+        def __contains__(self, req):
+            CountedQueue.searches += 1
+            return super().__contains__(req)
+
+    rng = random.Random(5)
+    sched = _scheduler(400)
+    running = [_running(sched, rng, rng.randint(1, 9), rng.randint(1, 5), 50) for _ in range(6)]
+    queued = [Request(100 + i, [rng.randrange(320) for _ in range(5)], SamplingParams(), set()) for i in range(50)]
+    sched.waiting = CountedQueue(queued)
+    sched.finish(*running)
+    assert CountedQueue.searches == 0 and sched.running == [] and sched.slots.available == 400
+    sched.finish(queued[7])
+    assert list(sched.waiting) == queued[:7] + queued[8:] and queued[7].status is Status.FINISHED
+
+
 def test_retraction_takes_the_fewest_generated_then_the_longest_prompt():
     """A decode step short of slots retracts, one at a time, the request with the fewest generated
     tokens, among those the longest prompt (SGLang's rule), until the rest each get a slot."""
