@@ -216,6 +216,9 @@ class StreamDecoder:
         self._ids.append(token_id)
         printed = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
         text = self._tokenizer.decode(self._ids[self._prefix_offset :])
+        if not last and text == printed and self._tokenizer.decode([token_id], special_tokens=True):
+            self._ids.pop()  # a special token, which decode skips wherever it stands: a run of them (EOS after EOS,
+            return ""  # under ignore_eos) widened the window that every later token decodes
         if not last and (len(text) <= len(printed) or text.endswith(REPLACEMENT_CHAR)):
             return ""
         new_ids = self._ids[self._read_offset :]

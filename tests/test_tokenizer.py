@@ -341,3 +341,16 @@ def test_stream_decoder_keeps_the_space_after_a_special_token(tmp_path):
     decoder = StreamDecoder(tokenizer, prompt_ids)
     assert [decoder.push(t) for t in answer_ids] == [" a", "", " b"]
     assert tokenizer.decode(prompt_ids + answer_ids) == "a a b"
+
+
+def test_a_run_of_special_tokens_does_not_widen_the_window(tokenizer, monkeypatch):
+    """A special token prints nothing, so it never moved the window on: after 2,000 EOS tokens (a model
+    made to go on past EOS) every token re-decoded 2,000 ids, twice. Its text is the whole decode's."""
+    ids = tokenizer.encode_text("The sea is calm. ")
+    ids = ids + tokenizer.eos_token_ids[:1] * 2000 + tokenizer.encode_text("Gulls fly.") + [ids[0]] * 3
+    lengths, decode = [], tokenizer.decode
+    monkeypatch.setattr(tokenizer, "decode", lambda ids, **kw: (lengths.append(len(ids)), decode(ids, **kw))[1])
+    decoder = StreamDecoder(tokenizer)
+    streamed = "".join(decoder.push(t, last=i == len(ids) - 1) for i, t in enumerate(ids))
+    assert streamed == decode(ids) and max(lengths) <= StreamDecoder.CONTEXT_TOKENS + 2, max(lengths)
+
