@@ -21,6 +21,7 @@ Two places need care:
   start of a stop string, and cuts the text where one begins.
 """
 
+import functools
 import json
 import re
 from collections.abc import Sequence
@@ -56,6 +57,9 @@ class Tokenizer:
             self._tokenizer = HFTokenizer.from_file(str(tokenizer_file))
         except Exception as e:  # the Rust library raises a bare Exception for a malformed file
             raise TokenizerError(f"{tokenizer_file}: cannot be read ({e})") from None
+        # logprobs list a token's text for each prompt token, alternative and choice (an echo of 8k tokens, 20
+        # alternatives, 128 choices: 21 million times): a decode each, or once per token id
+        self.token_text = functools.cache(self.token_text)
         # older folders name BOS and EOS in special_tokens_map.json, which wins over the config in HF; a config
         # that lists its added tokens is newer, and HF 5 reads it alone (here the map fills only its gaps)
         config = _read_json(model_dir / "tokenizer_config.json")

@@ -354,3 +354,24 @@ def test_a_run_of_special_tokens_does_not_widen_the_window(tokenizer, monkeypatc
     streamed = "".join(decoder.push(t, last=i == len(ids) - 1) for i, t in enumerate(ids))
     assert streamed == decode(ids) and max(lengths) <= StreamDecoder.CONTEXT_TOKENS + 2, max(lengths)
 
+
+def test_a_tokens_text_is_decoded_once_per_id(smollm2_dir):
+    """Logprobs list a token's text for every prompt token, alternative and choice: 21 million of them
+    for an echo of 8k tokens with 20 alternatives and 128 choices, each a decode. Once per id now."""
+    class CountedDecodes:
+        def __init__(self, inner):
+            self.inner, self.calls = inner, 0
+
+        def decode(self, *args, **kwargs):
+            self.calls += 1
+            return self.inner.decode(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    ids = random.Random(0).choices(range(1000, 1100), k=2000)
+    tokenizer = Tokenizer(smollm2_dir)
+    want = [Tokenizer.token_text(tokenizer, t) for t in ids]  # the method itself, each a decode
+    tokenizer._tokenizer = counted = CountedDecodes(tokenizer._tokenizer)
+    assert [tokenizer.token_text(t) for t in ids] == want and counted.calls == len(set(ids))
+
