@@ -19,6 +19,7 @@ import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -32,7 +33,7 @@ from nano.engine import Engine, EngineConfig  # noqa: E402
 from nano.api import MAX_BODY_BYTES, ChatRequest, CompletionRequest  # noqa: E402
 from nano.engine_process import EngineClient, run_engine  # noqa: E402
 from nano.serve import build_app  # noqa: E402
-from nano.tokenizer import Tokenizer  # noqa: E402
+from nano.tokenizer import Detokenizer, Tokenizer  # noqa: E402
 from tests.helpers import (assert_one_line_error, free_port, run_cli, save_tiny_chat_model,  # noqa: E402
                            start_server)
 
@@ -1532,3 +1533,94 @@ def test_an_idle_engine_loop_waits_in_its_inbox(tiny_model):
     tokens = [event for _ in range(outbox.qsize()) if hasattr(out := outbox.get_nowait(), "events")
               for _, event in out.events]
     assert [t.finish_reason for t in tokens] == [None, None, "length"]
+
+
+# ---- the answer's shapes, in process: Answer and _pieces from hand-made tokens ----
+
+def _sse_events(answer, choices) -> list:
+    async def read():
+        return [event async for event in answer.events(choices)]
+    return [json.loads(e[6:]) if e != "data: [DONE]\n\n" else "[DONE]" for e in asyncio.run(read())]
+
+
+def _tokens(rng, k, first_with_prompt=None):
+    from nano.engine_process import Token
+    ids = rng.choices(range(1000, 1100), k=k)
+    return [Token(t, "length" if i == k - 1 else None, logprob=-rng.random(),
+                  top_logprobs=[(rng.randrange(1000, 1100), -rng.random())],
+                  prompt_logprobs=first_with_prompt if i == 0 else None) for i, t in enumerate(ids)]
+
+
+def test_a_streamed_completion_with_echo_n_and_several_prompts_adds_up(smollm2_dir):
+    """Streamed, each choice's events join up as the whole answer: its own prompt echoed once (choice i
+    is sample i % n of prompt i // n), its tokens' texts spell its text, text_offset counts on from event
+    to event, and the usage counts each prompt once and every token."""
+    from nano.serve import Answer
+
+    tokenizer, rng = Tokenizer(smollm2_dir), random.Random(0)
+    prompts = [rng.choices(range(1000, 1100), k=rng.randint(2, 6)) for _ in range(3)]
+    n = 2
+    body = CompletionRequest(prompt=prompts, n=n, echo=True, logprobs=1, max_tokens=5, stream=True,
+                             stream_options={"include_usage": True})
+    answer = Answer(SimpleNamespace(tokenizer=tokenizer, model_name="m"), body, False, prompts)
+    generated = []
+    for i in range(len(prompts) * n):
+        prompt = prompts[i // n]
+        plp = [(-rng.random(), [(rng.randrange(1000, 1100), -rng.random())]) for _ in prompt[1:]]
+        generated.append(_tokens(rng, rng.randint(1, 5), plp))
+
+    async def pieces(tokens):
+        for token in tokens:
+            yield tokenizer.token_text(token.id), token, token.finish_reason
+
+    events = _sse_events(answer, [pieces(t) for t in generated])
+    *chunks, usage, done = events
+    assert done == "[DONE]"
+    assert usage["usage"] == {"prompt_tokens": sum(map(len, prompts)),
+                              "completion_tokens": sum(map(len, generated)),
+                              "total_tokens": sum(map(len, prompts)) + sum(map(len, generated))}
+    for i, tokens in enumerate(generated):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == i]
+        text = "".join(c["text"] for c in mine)
+        listed = sum((c["logprobs"]["tokens"] for c in mine), [])
+        offsets = sum((c["logprobs"]["text_offset"] for c in mine), [])
+        prompt = prompts[i // n]
+        echoed = tokenizer.decode(prompt, special_tokens=True)
+        assert text == echoed + "".join(tokenizer.token_text(t.id) for t in tokens)
+        assert "".join(listed) == text and len(listed) == len(prompt) + len(tokens)
+        assert offsets == [sum(map(len, listed[:k])) for k in range(len(listed))]
+        assert sum((c["token_ids"] for c in mine), []) == [t.id for t in tokens]
+        assert [c["finish_reason"] for c in mine][-1] == "length"
+
+
+def test_a_choice_that_reaches_a_stop_string_is_aborted_at_once(smollm2_dir):
+    """A stop string ends its choice there: _pieces aborts its stream in the engine at once (its KV slots
+    free), not when the request's other choices are done; the last piece names the stop string."""
+    from nano.engine_process import Stream, Token
+    from nano.sampling import SamplingParams
+    from nano.serve import _collect, _pieces
+
+    tokenizer, rng = Tokenizer(smollm2_dir), random.Random(0)
+    words = ["sun", "sea", "sky", "and", "the", "blue"]
+    text = " ".join(rng.choices(words, k=30))
+    ids = tokenizer.encode_text(text)
+    stop = text[len(text) // 2 : len(text) // 2 + 5]
+    tokens = [Token(t, "length" if i == len(ids) - 1 else None) for i, t in enumerate(ids)]
+
+    class Client:
+        aborted = []
+
+        def abort(self, *streams):
+            self.aborted += streams
+
+    async def pieces():
+        stream = Stream(prompt_ids=[1], params=SamplingParams(), stop_ids=set())
+        for token in tokens[1:]:
+            stream.events.put_nowait(token)
+        got = (await _collect([_pieces(stream, tokens[0], Detokenizer(tokenizer, [], [stop]), Client())]))[0]
+        return stream, got
+
+    stream, collected = asyncio.run(pieces())
+    assert "".join(t for t, _, _ in collected) == text[: text.index(stop)]
+    assert collected[-1][2] == "stop" and collected[-1][1].stop_reason == stop and len(collected) < len(ids)
+    assert Client.aborted == [stream]

@@ -10,7 +10,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers, processors
 from transformers import AutoTokenizer
 
-from nano.tokenizer import REPLACEMENT_CHAR, Detokenizer, StreamDecoder, Tokenizer, TokenizerError
+from nano.tokenizer import REPLACEMENT_CHAR, Detokenizer, StopMatcher, StreamDecoder, Tokenizer, TokenizerError
 
 TEXTS = [
     "Hello, world! The year 2024 had 366 days.",
@@ -375,3 +375,98 @@ def test_a_tokens_text_is_decoded_once_per_id(smollm2_dir):
     tokenizer._tokenizer = counted = CountedDecodes(tokenizer._tokenizer)
     assert [tokenizer.token_text(t) for t in ids] == want and counted.calls == len(set(ids))
 
+
+def test_stop_matcher_tracks_the_longest_end_that_begins_its_stop_string():
+    """StopMatcher against the rule written plainly: after each character, `matched` is the longest end
+    of the text so far that begins the stop string, and read() is true where the text first ends with it.
+    Stop strings up to 14 characters of 2-3 letters: borders within borders, so the fallback table's
+    recurrence must chain (short stop strings, as the Detokenizer test's, rarely need it)."""
+    rng = random.Random(0)
+    for _ in range(3000):
+        alphabet = rng.choice(["ab", "abc", "aab"])
+        stop = "".join(rng.choices(alphabet, k=rng.randint(1, 14)))
+        text = "".join(rng.choices(alphabet, k=rng.randint(1, 60)))
+        matcher = StopMatcher(stop)
+        for i, char in enumerate(text):
+            so_far = text[: i + 1]
+            hit = matcher.read(char)
+            assert hit == so_far.endswith(stop), (stop, so_far)
+            if hit:
+                break
+            assert matcher.matched == max(k for k in range(len(stop)) if so_far.endswith(stop[:k])), (stop, so_far)
+
+
+def test_a_stop_string_that_the_last_token_completes_still_cuts(tokenizer):
+    """The request's last token (max_tokens, EOS) may be the one that completes a stop string: the text
+    is cut where it begins and the stop string named, as on any other token; not sent whole."""
+    rng = random.Random(0)
+    for _ in range(100):
+        text = "".join(rng.choices("ab c", k=rng.randint(4, 30)))
+        ids = tokenizer.encode_text(text)
+        so_far = tokenizer.decode(ids)
+        last_piece_start = len(tokenizer.decode(ids[:-1]))
+        # a stop string that ends within the last token's text and nowhere earlier
+        end = rng.randint(last_piece_start + 1, len(so_far))
+        stop = so_far[max(0, end - rng.randint(1, 4)) : end]
+        if stop in so_far[: end - 1]:
+            continue
+        detokenizer, sent = Detokenizer(tokenizer, [], [stop]), ""
+        for i, token_id in enumerate(ids):
+            piece, stopped = detokenizer.push(token_id, last=i == len(ids) - 1)
+            sent += piece
+        assert (sent, stopped) == (so_far[: so_far.index(stop)], stop), (so_far, stop)
+
+
+def test_a_token_that_prints_nothing_yet_is_kept_as_context(tmp_path):
+    """Only a special token is dropped from the window: a SentencePiece "▁" that opens a chat answer
+    (no context) decodes alone to "" (the decoder strips the text's first space), yet with the "▁b"
+    after it the text reads " b", as the whole decode does."""
+    save_byte_fallback_tokenizer(tmp_path)
+    tokenizer, rng = Tokenizer(tmp_path), random.Random(0)
+    space = tokenizer._tokenizer.token_to_id("▁")
+    seen = 0
+    for _ in range(30):
+        ids = tokenizer.encode_text(" " * rng.randint(1, 3) + "".join(rng.choices("ab ", k=rng.randint(1, 8))))
+        seen += ids[0] == space
+        decoder = StreamDecoder(tokenizer, [])
+        streamed = "".join(decoder.push(t, last=i == len(ids) - 1) for i, t in enumerate(ids))
+        assert streamed == tokenizer.decode(ids), ids
+    assert seen > 0  # the case in question came up
+
+
+def test_token_texts_join_up_to_the_text_without_a_stripping_decoder(tmp_path):
+    """A SentencePiece decoder that keeps the first space (no Strip, as Metaspace with prepend_scheme
+    "never"): "▁a" reads " a" alone already, so token_text must not add a space of its own."""
+    save_byte_fallback_tokenizer(tmp_path)
+    tok = HFTokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    tokenizer, rng = Tokenizer(tmp_path), random.Random(0)
+    for _ in range(30):
+        ids = tokenizer.encode_text("".join(rng.choices("ab c ", k=rng.randint(1, 12))))
+        assert "".join(map(tokenizer.token_text, ids)) == tokenizer.decode(ids), ids
+
+
+def test_token_bytes_of_a_token_that_ends_a_character_and_goes_on(smollm2_dir, tmp_path):
+    """A byte-level token may hold the last bytes of one character and then whole ones (large vocabularies
+    have them): alone it reads U+FFFD followed by text, yet its bytes are its own, the character's tail
+    included. Here tokens of random such shapes are added to SmolLM2's vocabulary."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    alphabet, rng = bytes_to_unicode(), random.Random(0)
+    spec = json.loads((smollm2_dir / "tokenizer.json").read_text())
+    vocab, wanted = spec["model"]["vocab"], {}
+    for _ in range(20):
+        char = chr(rng.randrange(0x4E00, 0x9FFF)).encode()  # 3 bytes: cut after 1 or 2
+        raw = char[rng.randint(1, 2) :] + "".join(rng.choices("abc xyz", k=rng.randint(1, 4))).encode()
+        piece = "".join(alphabet[b] for b in raw)
+        if piece not in vocab:
+            vocab[piece] = wanted[raw] = len(vocab) + 100  # above the added tokens' ids
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (smollm2_dir / name).is_file():
+            (tmp_path / name).write_text((smollm2_dir / name).read_text())
+    tokenizer = Tokenizer(tmp_path)
+    for raw, token_id in wanted.items():
+        assert tokenizer.token_text(token_id).startswith("\ufffd")
+        assert tokenizer.token_bytes(token_id) == raw, (tokenizer.token_text(token_id), raw)
