@@ -130,7 +130,12 @@ class TensorParallel:
         if rank == 0:  # from before the rendezvous, which waits out the group's timeout (NCCL 10 min, gloo 30)
             threading.Thread(target=self._exit_if_a_worker_dies, daemon=True).start()
         try:
-            store = store or dist.TCPStore("127.0.0.1", port, size, is_master=False)  # (rank 0's is launch's)
+            if store is None:  # a worker: rank 0's store (launch's) listens already
+                store = dist.TCPStore("127.0.0.1", port, size, is_master=False)
+                store.set(f"rank {rank} is here", "")
+            else:  # Ctrl-C while rank 0 waits is raised when the wait ends: before the group connects the ranks,
+                # whose teardown would fail the workers' first collective (a traceback each), not after
+                store.wait([f"rank {r} is here" for r in range(1, size)])
             dist.init_process_group("nccl" if on_gpu else "gloo", store=store, rank=rank, world_size=size,
                                     device_id=device if on_gpu else None)
             self.group = dist.group.WORLD
