@@ -23,6 +23,10 @@ up to the root, `unlock` takes it away; only nodes with count 0 may be evicted. 
 
 Eviction frees whole leaves, least recently used first (every match and insert stamps the nodes
 it walks with a clock): a leaf's removal may turn its parent into an evictable leaf in turn.
+Once the pool is full, every step evicts a little, so the leaves wait in a heap rather than being
+collected from the whole tree each time: a node joins it when it becomes an unlocked leaf, and one
+that is no longer that when it comes up leaves, or goes back in under its newer stamp if it was used
+since. The heap's oldest stamp is then the oldest leaf's, at a logarithm's cost per leaf.
 """
 
 import heapq
@@ -37,6 +41,7 @@ class Node:
         self.key, self.slots, self.parent = key, slots, parent
         self.children: dict[int, Node] = {}  # by first token id
         self.lock_count, self.last_used = 0, last_used
+        self.in_heap = False  # at most one entry each: the heap stays no larger than the tree
 
 
 class RadixCache:
@@ -47,6 +52,7 @@ class RadixCache:
         self.size = 0  # tokens held
         self.locked_size = 0  # tokens on locked nodes
         self.clock = 0
+        self.leaves: list[tuple[int, int, Node]] = []  # (stamp when offered, tie-break, node), a heap
 
     @property
     def evictable_size(self) -> int:
@@ -71,6 +77,7 @@ class RadixCache:
             end = Node(tokens[i:], slots[i:], end, self.clock)
             end.parent.children[tokens[i]] = end
             self.size += len(end.key)
+            self._offer(end)
         if duplicates:
             self.allocator.free(torch.cat(duplicates))
         return end
@@ -112,32 +119,34 @@ class RadixCache:
             node.lock_count -= 1
             if node.lock_count == 0:
                 self.locked_size -= len(node.key)
+                self._offer(node)
             node = node.parent
+
+    def _offer(self, node: Node):
+        """Put node in the eviction heap if it is an unlocked leaf that is not there yet."""
+        if not node.children and node.lock_count == 0 and not node.in_heap:
+            heapq.heappush(self.leaves, (node.last_used, id(node), node))
+            node.in_heap = True
 
     def evict(self, num_tokens: int):
         """Give at least num_tokens slots back to the allocator (fewer only if the unlocked
         part of the tree is smaller), least recently used leaves first."""
-        leaves = [(n.last_used, id(n), n) for n in self._nodes() if not n.children and n.lock_count == 0]
-        heapq.heapify(leaves)
         freed = []
-        while num_tokens > 0 and leaves:
-            _, _, leaf = heapq.heappop(leaves)
-            parent = leaf.parent
-            del parent.children[leaf.key[0]]
+        while num_tokens > 0 and self.leaves:
+            stamp, _, leaf = heapq.heappop(self.leaves)
+            leaf.in_heap = False
+            if leaf.children or leaf.lock_count:  # offered again once it is a free leaf again
+                continue
+            if stamp != leaf.last_used:  # used since it was offered: back in, under its stamp now
+                self._offer(leaf)
+                continue
+            del leaf.parent.children[leaf.key[0]]
             freed.append(leaf.slots)
             num_tokens -= len(leaf.key)
             self.size -= len(leaf.key)
-            if not parent.children and parent.lock_count == 0:
-                heapq.heappush(leaves, (parent.last_used, id(parent), parent))
+            self._offer(leaf.parent)  # the root is never offered: it is always locked
         if freed:
             self.allocator.free(torch.cat(freed))
-
-    def _nodes(self):
-        stack = [self.root]
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.children.values())
 
 
 def _common_length(key: list[int], tokens: list[int], start: int) -> int:

@@ -1,7 +1,9 @@
 """The prefix cache (radix tree) against a naive reference, and the engine's prefix reuse and
 chunked prefill against the engine without them (CPU, tiny models)."""
 
+import heapq
 import random
+import sys
 
 import pytest
 import torch
@@ -32,6 +34,31 @@ def reference_match(ref: dict[tuple, int], tokens: list[int]) -> list[int]:
     while tuple(tokens[: len(slots) + 1]) in ref and len(slots) < len(tokens):
         slots.append(ref[tuple(tokens[: len(slots) + 1])])
     return slots
+
+
+def tree_nodes(tree: RadixCache) -> list:
+    out, stack = [], [tree.root]
+    while stack:
+        out.append(stack.pop())
+        stack.extend(out[-1].children.values())
+    return out
+
+
+def lru_victims(tree: RadixCache, num_tokens: int) -> list:
+    """The leaves a least-recently-used eviction of num_tokens takes, worked out from every unlocked
+    leaf collected afresh (the tree itself keeps them in a heap as they come and go)."""
+    children = {id(n): len(n.children) for n in tree_nodes(tree)}
+    heap = [(n.last_used, id(n), n) for n in tree_nodes(tree) if not n.children and n.lock_count == 0]
+    heapq.heapify(heap)
+    victims = []
+    while num_tokens > 0 and heap:
+        victims.append(heapq.heappop(heap)[2])
+        num_tokens -= len(victims[-1].key)
+        parent = victims[-1].parent
+        children[id(parent)] -= 1
+        if children[id(parent)] == 0 and parent.lock_count == 0:
+            heapq.heappush(heap, (parent.last_used, id(parent), parent))
+    return victims
 
 
 def test_radix_tree_agrees_with_a_naive_reference_under_random_operations():
@@ -87,8 +114,9 @@ def test_radix_tree_agrees_with_a_naive_reference_under_random_operations():
             locked = {path[:k] for _, path in locks for k in range(1, len(path) + 1)}
             evictable = len(ref) - len(locked)
             assert tree.locked_size == len(locked) and tree.evictable_size == evictable
-            available = allocator.available
+            available, before, victims = allocator.available, tree_nodes(tree), lru_victims(tree, want)
             tree.evict(want)
+            assert {id(n) for n in before} - {id(n) for n in tree_nodes(tree)} == {id(n) for n in victims}
             after = cached_prefixes(tree)
             removed = set(ref) - set(after)
             assert set(after) <= set(ref) and all(after[p] == ref[p] for p in after)
@@ -121,6 +149,33 @@ def test_eviction_takes_the_least_recently_used_leaf_first():
     tree.evict(1)
     assert cached([1, 2, 3, 4]) == 2 and cached([1, 2, 9]) == 3  # [3, 4]: untouched since the split
     assert allocator.available + tree.size == 32
+
+
+def test_evicting_a_leaf_from_a_large_tree_does_not_walk_the_tree():
+    """Once the pool is full every step evicts a few slots: that must cost about a leaf, not a walk over
+    every cached prefix. Counted in lines of radix_cache.py run (sys.settrace), not in seconds."""
+    allocator = SlotAllocator(20_000, "cpu")
+    tree = RadixCache(allocator)
+    rng = random.Random(3)
+    for n in range(4_000):  # 4,000 prompts under 40 system prompts
+        tree.insert([n % 40, 1000 + n, *(rng.randrange(50) for _ in range(3))], allocator.alloc(5))
+    for n in range(0, 4_000, 7):  # used again: their leaves' stamps move on
+        tree.match([n % 40, 1000 + n])
+    nodes, lines = len(tree_nodes(tree)), 0
+
+    def count_lines(frame, event, arg):
+        nonlocal lines
+        lines += event == "line" and frame.f_code.co_filename.endswith("radix_cache.py")
+        return count_lines
+
+    sys.settrace(lambda frame, event, arg: count_lines)
+    try:
+        for _ in range(20):  # twenty steps of a full pool, a leaf each
+            tree.evict(1)
+    finally:
+        sys.settrace(None)
+    assert len(tree_nodes(tree)) == nodes - 20
+    assert lines < 20 * 200, lines  # a walk over the tree runs its loop's lines ~4,000 times a step
 
 
 def test_eviction_frees_what_is_asked_and_not_a_leaf_more():
