@@ -206,7 +206,8 @@ async def generate(http: HTTPRequest, body, prompts: list[list[int]], chat: bool
         abort()
     if collected is None:
         return Response(status_code=499)
-    answered = [answer.choice(i, *map(list, zip(*pieces))) for i, pieces in enumerate(collected)]
+    answered = await asyncio.to_thread(  # an echo's logprobs may be millions of entries: off the event loop
+        lambda: [answer.choice(i, *map(list, zip(*pieces))) for i, pieces in enumerate(collected)])
     return await json_answer({**answer.head, "usage": answer.usage(sum(map(len, collected))), "choices": answered})
 
 

@@ -636,6 +636,27 @@ def test_a_client_that_hangs_up_while_queued_leaves_nothing_behind(tiny_model, c
     assert "Traceback" not in capfd.readouterr().err
 
 
+def test_a_whole_answer_is_built_off_the_event_loop(tiny_model, monkeypatch):
+    """An echo of a long prompt with logprobs and many choices is millions of entries to build (21
+    million for 128 choices of 8k tokens with 20 alternatives): built on the event loop, every other
+    stream waited it out. Each choice is built where no event loop runs, checked by watching where."""
+    from nano import serve
+
+    def on_a_loop() -> bool:
+        try:
+            return asyncio.get_running_loop() is not None
+        except RuntimeError:  # none runs in this thread
+            return False
+
+    built_on_a_loop, choice = [], serve.Answer.choice
+    monkeypatch.setattr(serve.Answer, "choice", lambda *a, **k: built_on_a_loop.append(on_a_loop()) or choice(*a, **k))
+    engine = Engine(tiny_model, EngineConfig(max_total_tokens=10000, log=False))
+    with in_process_server(engine, Tokenizer(tiny_model)) as (url, _):
+        status, reply = call(url, "/v1/completions", dict(prompt=[5, 9, 11], max_tokens=2, n=3, echo=True, logprobs=2))
+    assert status == 200 and len(reply["choices"]) == 3 and reply["choices"][2]["logprobs"]["tokens"], reply
+    assert built_on_a_loop == [False] * 3
+
+
 def test_a_bug_in_a_route_is_an_openai_style_500_and_serving_goes_on(tiny_model, monkeypatch):
     """An exception no route expected (a bug, planted here) reaches the client as OpenAI's error JSON
     with a 500 that names its kind, not Starlette's plain text; the next request is answered."""
