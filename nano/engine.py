@@ -224,7 +224,7 @@ class Engine:
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, stop_ids=()) -> Request:
         """Queue a request (ValueError, one line, if it can never run); with ignore_eos, EOS ids do not stop it."""
-        self.scheduler.waiting.append(req := self._request(prompt_ids, params, stop_ids))
+        self.scheduler.queue(req := self._request(prompt_ids, params, stop_ids))
         return req
 
     def _request(self, prompt_ids: list[int], params: SamplingParams, stop_ids) -> Request:
@@ -409,7 +409,7 @@ class Engine:
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params: give one, or one per prompt")
         stop_ids = set(stop_ids)  # an iterator would reach the first prompt alone
         # all checked before any is queued: a bad one must not leave the others to run with the next call
-        self.scheduler.waiting.extend(reqs := [self._request(p, sp, stop_ids) for p, sp in zip(prompts, params)])
+        self.scheduler.queue(*(reqs := [self._request(p, sp, stop_ids) for p, sp in zip(prompts, params)]))
         try:
             for _ in self.stream():
                 pass

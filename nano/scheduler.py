@@ -38,7 +38,7 @@ requests a decode step, so their streams keep moving one chunk's time apart.
 """
 
 import math
-from collections import deque
+from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
@@ -74,7 +74,7 @@ class Status(Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False)  # a request is itself, never equal to another: `in` and `remove` compare identities
+@dataclass(eq=False)  # a request is itself, never equal to another: the queue finds it by identity
 class Request:
     rid: int
     prompt_ids: list[int]
@@ -128,7 +128,7 @@ class Scheduler:
         self.req_to_token_pool, self.slots, self.prefix_cache = req_to_token_pool, slots, prefix_cache
         self.chunking = chunked_prefill_size > 0
         self.prefill_budget = min(max_prefill_tokens, chunked_prefill_size) if self.chunking else max_prefill_tokens
-        self.waiting: deque[Request] = deque()
+        self.waiting: OrderedDict[Request, None] = OrderedDict()  # a queue an abort leaves at once, from anywhere
         self.running: list[Request] = []
         self.chunked: Request | None = None  # the request whose prompt is part-way through prefill
         self.decode_owed = False  # the last step left a prompt part-way: decode the running ones next
@@ -145,6 +145,9 @@ class Scheduler:
         the tokens it may generate."""
         unfilled = 0 if req.status is Status.RUNNING else req.num_tokens - req.prefilled
         return unfilled + math.ceil(self.new_token_ratio * min(req.remaining, ESTIMATE_CLIP))
+
+    def queue(self, *reqs: Request):
+        self.waiting.update(dict.fromkeys(reqs))
 
     def wants_prefill(self) -> bool:
         return bool(self.waiting or self.chunked) and not (self.decode_owed and self.running)
@@ -172,7 +175,7 @@ class Scheduler:
 
     def _admit_waiting(self, chunks: list[tuple[Request, int]], budget: int, committed: int):
         while self.waiting and budget > 0:
-            req = self.waiting[0]
+            req = next(iter(self.waiting))
             again = req.status is Status.RETRACTED  # running, or a prompt part-way, before
             if self._computed_in(chunks, req) or not self._admit(req):
                 break
@@ -184,7 +187,7 @@ class Scheduler:
                 self._release(req)  # undo: it waits for room, holding nothing
                 req.status, req.prefilled = Status.RETRACTED if again else Status.WAITING, 0
                 break
-            self.waiting.popleft()
+            self.waiting.popitem(last=False)
             if again:  # admitted again after a retraction: what it computes again
                 self.stats["recomputed_tokens"] += req.num_tokens - req.cached_len
             else:
@@ -271,7 +274,8 @@ class Scheduler:
         assert req.in_flight == 0, "book the pass in flight before retracting"
         self._release(req)
         req.status, req.prefilled = Status.RETRACTED, 0
-        self.waiting.appendleft(req)
+        self.queue(req)
+        self.waiting.move_to_end(req, last=False)  # first in line
         self.new_token_ratio = min(1.0, self.new_token_ratio + RETRACT_BACKOFF)
         self.stats["retractions"] += 1
 
@@ -280,8 +284,7 @@ class Scheduler:
         """Requests leave, whatever their state (EOS, a stop id, the budget, or an abort; also those
         of a step that raised), and give back all they hold."""
         for req in reqs:
-            if req.status is not Status.RUNNING and req in self.waiting:  # (never there: spare it the scan)
-                self.waiting.remove(req)
+            self.waiting.pop(req, None)
             if req.row >= 0:
                 self._release(req)
             req.status = Status.FINISHED
