@@ -23,10 +23,11 @@ up to the root, `unlock` takes it away; only nodes with count 0 may be evicted. 
 
 Eviction frees whole leaves, least recently used first (every match and insert stamps the nodes
 it walks with a clock): a leaf's removal may turn its parent into an evictable leaf in turn.
-Once the pool is full, every step evicts a little, so the leaves wait in a heap rather than being
-collected from the whole tree each time: a node joins it when it becomes an unlocked leaf, and one
-that is no longer that when it comes up leaves, or goes back in under its newer stamp if it was used
-since. The heap's oldest stamp is then the oldest leaf's, at a logarithm's cost per leaf.
+Once the pool is full every step evicts a few slots, so the unlocked leaves wait in a heap by stamp
+instead of being collected from the whole tree at each call. A node goes in when it becomes an
+unlocked leaf. When it comes out on top, it is dropped if it has since gained a child or a lock (it
+goes in again once it is a free leaf again), and put back under its new stamp if it was used since.
+What is left on top is the oldest leaf, found at a logarithm's cost.
 """
 
 import heapq
