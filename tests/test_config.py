@@ -258,3 +258,55 @@ def test_rope_scaling_added_to_a_v5_config_keeps_its_theta():
     raw["rope_scaling"] = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
     cfg = parse_config(raw)
     assert cfg.rope_theta == 1e6 and cfg.rope_scaling["rope_type"] == "yarn" and cfg.rope_scaling["factor"] == 4.0
+
+
+# ---- configs written by hand: only the keys a test is about (transformers' to_dict() writes every
+# default out, so a default nano falls back to would never be read) ----------------------------------
+
+HAND_LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 320, "hidden_size": 64, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "intermediate_size": 96, "max_position_embeddings": 256}
+HAND_DEEPSEEK = {"architectures": ["DeepseekV2ForCausalLM"], "vocab_size": 320, "hidden_size": 60, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "intermediate_size": 96, "max_position_embeddings": 256, "kv_lora_rank": 32,
+            "qk_nope_head_dim": 8, "qk_rope_head_dim": 16, "v_head_dim": 16}  # 60 / 4 heads: an odd 15
+
+
+def test_absent_keys_take_transformers_defaults():
+    """LlamaConfig's defaults: untied embeddings (a tied model would read the embedding as lm_head) and
+    rope_theta 10000 (another base rotates every position differently)."""
+    cfg = parse_config(HAND_LLAMA)
+    assert cfg.tie_word_embeddings is False
+    assert cfg.rope_theta == 10000.0
+
+
+def test_yarn_stretches_an_unstretched_context():
+    """Qwen2.5's card adds rope_scaling alone: the context grows to original x factor (vLLM's rule)."""
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
+    assert parse_config(HAND_LLAMA | {"rope_scaling": rope}).max_position_embeddings == 1024
+    # one already past original x factor is kept
+    assert parse_config(HAND_LLAMA | {"max_position_embeddings": 4096, "rope_scaling": rope}).max_position_embeddings == 4096
+
+
+def test_a_top_level_original_context_wins_over_the_rope_parameters():
+    """transformers' order: a top-level original_max_position_embeddings, then the rope parameters'."""
+    rope = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}
+    cfg = parse_config(HAND_LLAMA | {"rope_scaling": rope, "original_max_position_embeddings": 128})
+    assert cfg.rope_scaling["original_max_position_embeddings"] == 128
+    assert cfg.max_position_embeddings == 256  # max(256, 128 x 2)
+
+
+def test_deepseek_head_dim_comes_from_mla_not_hidden_over_heads():
+    """DeepSeek's head width is qk_nope + qk_rope: an odd hidden_size / heads is no reason to refuse it."""
+    assert parse_config(HAND_DEEPSEEK).head_dim == 24
+    with pytest.raises(ConfigError, match="is odd"):
+        parse_config(HAND_LLAMA | {"hidden_size": 60})  # Llama's head_dim is hidden / heads: 15
+
+
+def test_deepseek_mlp_bias_is_refused():
+    with pytest.raises(ConfigError, match="attention_bias and mlp_bias"):
+        parse_config(HAND_DEEPSEEK | {"mlp_bias": True})
+
+
+@pytest.mark.parametrize("eos", [-1, [2, -1]])
+def test_a_negative_eos_id_is_refused(eos):
+    with pytest.raises(ConfigError, match="eos_token_id must be a token id"):
+        parse_config(HAND_LLAMA | {"eos_token_id": eos})

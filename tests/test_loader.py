@@ -3,6 +3,8 @@ and agree with the same modules the loader built in that dtype. The loader keeps
 float32 on purpose (DeepSeek's router); a cast must not turn that into a crash or a wrong dtype.
 Folders written by other tools than save_pretrained must load as transformers loads them."""
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file, save_model
@@ -12,7 +14,7 @@ pytest.importorskip("transformers")
 from nano.config import load_config  # noqa: E402
 from nano.forward_batch import ForwardBatch  # noqa: E402
 from nano.kv_cache import KVPool  # noqa: E402
-from nano.loader import WeightError, load_model  # noqa: E402
+from nano.loader import WeightError, load_model, model_bytes  # noqa: E402
 from nano.torch_attn import TorchAttnBackend  # noqa: E402
 from tests.helpers import random_prompts, save_tiny_deepseek, save_tiny_llama  # noqa: E402
 
@@ -125,3 +127,44 @@ def test_dummy_weights_are_near_one_and_small(tmp_path):
             assert 0.9 <= w.min() and w.max() <= 1.1 and w.std() > 0.01, name
         else:
             assert abs(w.mean()) < 0.002 and 0.018 < w.std() < 0.022, name
+
+
+def test_dummy_weights_follow_the_seed(tmp_path):
+    """load_format="dummy": the same seed gives the same model, another seed another one."""
+    save_tiny_llama(tmp_path, "gqa")
+    cfg = load_config(tmp_path)
+    a, b, c = (load_model(cfg, tmp_path, "cpu", torch.float32, "dummy", seed=s).state_dict() for s in (3, 3, 4))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not any(torch.equal(a[k], c[k]) for k in a if a[k].is_floating_point() and "cos_sin" not in k)
+
+
+def test_one_file_wins_over_a_stale_index(tmp_path):
+    """transformers' order: model.safetensors beside an index (save_pretrained leaves an old one behind
+    when it saves as one file what a folder held in shards) loads the one file."""
+    save_tiny_llama(tmp_path, "gqa")
+    cfg = load_config(tmp_path)
+    expected = load_model(cfg, tmp_path, "cpu", torch.float32).state_dict()
+    stale = {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}  # a file long gone
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(stale))
+    got = load_model(cfg, tmp_path, "cpu", torch.float32).state_dict()
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+def test_one_missing_tensor_is_named_alone(tmp_path):
+    save_tiny_llama(tmp_path, "gqa")
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.norm.weight"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(WeightError) as error:
+        load_model(load_config(tmp_path), tmp_path, "cpu", torch.float32)
+    assert str(error.value).endswith("missing tensor model.norm.weight"), str(error.value)
+
+
+def test_model_bytes_counts_parameters_and_buffers(tmp_path):
+    """What the engine budgets for the weights: every parameter and buffer (the rope table too)."""
+    save_tiny_llama(tmp_path, "gqa")
+    cfg = load_config(tmp_path)
+    model = load_model(cfg, tmp_path, "cpu", torch.bfloat16)
+    tensors = [*model.parameters(), *model.buffers()]
+    assert len(list(model.buffers())) > 0
+    assert model_bytes(cfg, torch.bfloat16, use_mla=True) == sum(t.nbytes for t in tensors)

@@ -30,8 +30,9 @@ uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("fastapi")
 
 from nano.engine import Engine, EngineConfig  # noqa: E402
-from nano.api import MAX_BODY_BYTES, ChatRequest, CompletionRequest  # noqa: E402
-from nano.engine_process import EngineClient, run_engine  # noqa: E402
+from nano import engine_process as engine_process_module  # noqa: E402
+from nano.api import MAX_BODY_BYTES, ChatRequest, CompletionRequest, read_json  # noqa: E402
+from nano.engine_process import APIError, EngineClient, run_engine  # noqa: E402
 from nano.serve import build_app  # noqa: E402
 from nano.tokenizer import Detokenizer, Tokenizer  # noqa: E402
 from tests.helpers import (assert_one_line_error, free_port, run_cli, save_tiny_chat_model,  # noqa: E402
@@ -1403,9 +1404,6 @@ def test_a_chunked_body_over_the_limit_is_refused_with_413():
     what arrives, and the read stops once it is passed (a body of exactly the limit is read)."""
     from starlette.requests import Request as HTTPRequest
 
-    from nano.api import read_json
-    from nano.engine_process import APIError
-
     def chunked_request(body: bytes):
         """-> (the request, the messages its server has not handed over yet)"""
         pieces = [body[i : i + (64 << 10)] for i in range(0, len(body), 64 << 10)]
@@ -1645,3 +1643,68 @@ def test_a_choice_that_reaches_a_stop_string_is_aborted_at_once(smollm2_dir):
     assert "".join(t for t, _, _ in collected) == text[: text.index(stop)]
     assert collected[-1][2] == "stop" and collected[-1][1].stop_reason == stop and len(collected) < len(ids)
     assert Client.aborted == [stream]
+
+
+# ---- the engine loop's stats line, on a fake engine and a fake clock ----
+
+def fake_engine(free, cached, locked, total=1000, decode_tokens=0):
+    scheduler = SimpleNamespace(running=[object()] * 2, waiting=[object()] * 3, chunked=None)
+    return SimpleNamespace(
+        prefix_cache=SimpleNamespace(size=cached, locked_size=locked), scheduler=scheduler,
+        kv_pool=SimpleNamespace(capacity=total), slots=SimpleNamespace(available=free),
+        stats={"decode_tokens": decode_tokens, "retractions": 0})
+
+
+def test_stats_line_counts_locked_cached_slots_as_in_use(monkeypatch, capsys):
+    """KV cache in use: all but the free slots and the cached ones a request could evict (unlocked)."""
+    clock = [100.0]
+    monkeypatch.setattr(engine_process_module.time, "monotonic", lambda: clock[0])
+    engine = fake_engine(free=500, cached=300, locked=200)  # evictable: 100; in use: 1 - 600/1000
+    log = engine_process_module.StatsLog(engine, every=10.0)
+    engine.stats["decode_tokens"] = 250
+    clock[0] += 10.0
+    log.maybe_print()
+    line = capsys.readouterr().err
+    assert line.strip() == ("engine: 2 running, 3 waiting, decode 25.0 tok/s, KV cache 40% in use, "
+                            "0 retractions so far"), line
+
+
+def test_no_stats_line_without_decode_tokens(monkeypatch, capsys):
+    """Busy past the interval but no token decoded since the last line (a long prefill): no line of 0.0 tok/s."""
+    clock = [100.0]
+    monkeypatch.setattr(engine_process_module.time, "monotonic", lambda: clock[0])
+    engine = fake_engine(free=500, cached=0, locked=0)
+    log = engine_process_module.StatsLog(engine, every=10.0)
+    clock[0] += 30.0
+    log.maybe_print()
+    assert capsys.readouterr().err == ""
+    engine.stats["decode_tokens"] = 30
+    clock[0] += 0.0
+    log.maybe_print()  # 30 tokens over the 30 busy seconds
+    assert "decode 1.0 tok/s" in capsys.readouterr().err
+
+
+# ---- the body's size limit, without a server ----
+
+class FakeHTTP:  # what read_json reads of a starlette request: the headers and the body's chunks
+    def __init__(self, raw: bytes):
+        self.raw, self.headers = raw, {"content-length": str(len(raw))}
+
+    async def stream(self):
+        for i in range(0, len(self.raw), 65536):
+            yield self.raw[i:i + 65536]
+
+
+def body_of(size: int) -> bytes:
+    head = b'{"prompt": "'
+    raw = head + b"a" * (size - len(head) - 2) + b'"}'
+    assert len(raw) == size
+    return raw
+
+
+def test_a_body_of_exactly_the_limit_is_read_and_one_byte_more_is_a_413():
+    data = asyncio.run(read_json(FakeHTTP(body_of(MAX_BODY_BYTES))))
+    assert len(data["prompt"]) == MAX_BODY_BYTES - 14
+    with pytest.raises(APIError) as error:
+        asyncio.run(read_json(FakeHTTP(body_of(MAX_BODY_BYTES + 1))))
+    assert error.value.status == 413
