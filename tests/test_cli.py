@@ -794,3 +794,101 @@ def test_cuda_graph_max_bs_is_refused_wherever_cuda_graphs_are_off(monkeypatch, 
     argv = ["--prompt", "x", "--device", "cuda", "--dtype", "float32", "--cuda-graph-max-bs", "4", *flags]
     with pytest.raises(cli.UsageError, match="CUDA graphs run only on a GPU"):
         cli.engine_config(generate.build_parser().parse_args(argv))
+
+
+# ---- nano.generate in-process: what it hands the engine and prints -------------------------
+
+@pytest.fixture(scope="module")
+def in_process_model(tmp_path_factory, smollm2_dir):
+    return save_tiny_chat_model(tmp_path_factory.mktemp("models") / "tiny", smollm2_dir)
+
+
+def generate_in_process(capsys, model, prompts, *flags) -> tuple[str, str]:
+    from nano.generate import main
+
+    argv = ["--model", str(model), "--no-chat-template", "--ignore-eos", *flags]
+    for prompt in prompts:
+        argv += ["--prompt", prompt]
+    main(argv)
+    return capsys.readouterr()
+
+
+def test_a_retraction_that_books_two_passes_at_once_prints_every_token(in_process_model, capsys):
+    """generate prints a prompt's block once its last token is in: a retraction (a pool too small for
+    both requests) books two passes in one step, so a request can be finished while the loop still
+    holds its second-to-last token. Each block must equal what its prompt prints alone."""
+    # prompts of 1 and 5 tokens, 12 new tokens each, 26 KV slots: a retraction books the first request's
+    # last two tokens in one step, while it is the next block to print (the whole schedule depends on
+    # these lengths alone, not on the random weights)
+    prompts, flags = ["hi", "one two three four five"], ("--max-new-tokens", "12", "--max-total-tokens", "26")
+    alone = []
+    for prompt in prompts:
+        out, _ = generate_in_process(capsys, in_process_model, [prompt], *flags)
+        alone.append(out.removesuffix("\n"))
+    out, err = generate_in_process(capsys, in_process_model, prompts, *flags)
+    assert "retraction" in err  # the case under test did happen
+    assert out == "".join(f"--- prompt {i + 1} ---\n{text}\n" for i, text in enumerate(alone))
+
+
+@pytest.mark.parametrize("end", ["\n", "\r\n", "\r"])
+def test_prompt_file_line_ends_of_every_kind_split_prompts(tmp_path, end):
+    """--prompt-file takes one prompt a line whatever ends the lines: \\n, \\r\\n and a lone \\r."""
+    import argparse
+
+    from nano.generate import read_prompts
+
+    path = tmp_path / "prompts.txt"
+    path.write_bytes(end.join(["first prompt", "second one", "", "third"]).encode() + end.encode())
+    prompts = read_prompts(argparse.Namespace(prompt=None, prompt_file=str(path)))
+    assert prompts == ["first prompt", "second one", "third"]
+
+
+def test_every_sampling_flag_reaches_the_requests(in_process_model, monkeypatch, capsys):
+    """A seed that never reached the engine made `--temperature 1 --seed 5` differ every run."""
+    from nano.engine import Engine
+    from nano.generate import main
+
+    params, add_request = [], Engine.add_request
+
+    def spy(self, prompt_ids, p, stop_ids=()):
+        params.append(p)
+        return add_request(self, prompt_ids, p, stop_ids)
+
+    monkeypatch.setattr(Engine, "add_request", spy)
+    main(["--model", str(in_process_model), "--prompt", "hi", "--prompt", "Name a colour.", "--max-new-tokens", "3",
+          "--temperature", "0.7", "--top-p", "0.9", "--top-k", "5", "--seed", "1234", "--ignore-eos"])
+    assert len(params) == 2
+    for p in params:
+        assert (p.temperature, p.top_p, p.top_k, p.max_new_tokens, p.seed, p.ignore_eos) == (0.7, 0.9, 5, 3, 1234, True)
+
+
+def test_the_same_seed_gives_the_same_sampled_text(in_process_model, capsys):
+    from nano.generate import main
+
+    argv = ["--model", str(in_process_model), "--prompt", "hi", "--no-chat-template", "--max-new-tokens", "24",
+            "--temperature", "1.5", "--ignore-eos"]
+    outs = []
+    for seed in ("5", "5", "6"):
+        main([*argv, "--seed", seed])
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] != outs[2]
+
+
+def test_a_streamed_completion_ends_with_one_newline(in_process_model, capsys):
+    """Else the shell's prompt lands on the completion's last line."""
+    from nano.generate import main
+
+    main(["--model", str(in_process_model), "--prompt", "hi", "--no-chat-template", "--max-new-tokens", "4", "--ignore-eos"])
+    out = capsys.readouterr().out
+    assert out.strip() and out.endswith("\n")  # (this completion's own text does not end with one)
+
+
+def test_stats_line_counts_computed_tokens_without_the_cached_ones(capsys):
+    from nano.generate import print_stats
+
+    stats = dict(prefill_s=2.0, prefill_steps=3, prefill_tokens=1000, cached_tokens=400, decode_s=1.0,
+                 decode_steps=7, decode_tokens=70, retractions=0, recomputed_tokens=0)
+    print_stats(stats, 4)
+    err = capsys.readouterr().err
+    assert "1,000 prompt tokens, 400 from the prefix cache, 600 computed -> 4 first token(s)" in err
+    assert "(300.0 tok/s)" in err and "decode: 70 more tokens" in err and "(70.0 tok/s)" in err

@@ -306,3 +306,40 @@ def test_a_model_that_fits_free_memory_exactly_is_let_through(monkeypatch):
         monkeypatch.setattr(memory, "free_bytes", lambda device, total=total: total - 1)
         with pytest.raises(memory.NotEnoughMemoryError):
             memory.ensure_fits(torch.device("cpu"), torch.float32, parts)
+
+
+def test_mla_kv_bytes_per_token_count_the_latent_row_once():
+    """With absorbed latent attention a DeepSeek token caches one row of kv_lora_rank + rope width a
+    layer (the value is a view of it): the bytes per token, from which the pool's capacity and the
+    fit check come, count that row once; the expanded form caches K and V for every head."""
+    from nano.cli import SHIPPED_CONFIGS
+    from nano.kv_cache import KVPool
+
+    cfg = load_config(SHIPPED_CONFIGS / "deepseek-v2-lite")
+    row = cfg.kv_lora_rank + cfg.qk_rope_head_dim  # 512 + 64
+    assert kv_bytes_per_token(cfg, torch.bfloat16, use_mla=True) == cfg.num_layers * row * 2
+    assert kv_bytes_per_token(cfg, torch.bfloat16, use_mla=False) == \
+        cfg.num_layers * cfg.num_heads * (cfg.head_dim + cfg.v_head_dim) * 2
+    # and it is what a pool really holds per token (slot 0 aside)
+    for use_mla in (True, False):
+        pool = KVPool(cfg, 3, torch.bfloat16, "meta", use_mla)
+        nbytes = sum(b.numel() * b.element_size() for b in pool.k_buffers)
+        if not use_mla:
+            nbytes += sum(b.numel() * b.element_size() for b in pool.v_buffers)
+        assert nbytes == 4 * kv_bytes_per_token(cfg, torch.bfloat16, use_mla)
+
+
+def test_a_pool_sized_from_too_little_memory_still_holds_one_token(monkeypatch):
+    """tokens_for_memory never answers 0 or a negative capacity (a pool with no slot to hand out, or
+    torch.zeros of a negative size): memory for less than a token still sizes a 1-token pool, which
+    the engine then reports as a context too small for the prompt."""
+    from nano import kv_cache
+    from nano.cli import SHIPPED_CONFIGS
+
+    cfg = load_config(SHIPPED_CONFIGS / "smollm2-135m")
+    per_token = kv_bytes_per_token(cfg, torch.float32, False)
+    for free in (0, per_token // 2, per_token, 2 * per_token):
+        monkeypatch.setattr(kv_cache, "free_bytes", lambda device, free=free: free)
+        assert kv_cache.tokens_for_memory(cfg, torch.float32, torch.device("cpu"), False, 0.5) == 1
+    monkeypatch.setattr(kv_cache, "free_bytes", lambda device: 1000 * per_token)
+    assert kv_cache.tokens_for_memory(cfg, torch.float32, torch.device("cpu"), False, 0.5) == 499  # slot 0 aside
