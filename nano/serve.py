@@ -328,16 +328,22 @@ class Answer:
         counts = [0] * len(choices)
         try:
             for i in range(len(choices) if self.chat else 0):  # a chat choice opens with its role, as OpenAI's
-                yield _sse({**self.head, "choices": [self.choice(i, [], [], [None])]})
+                yield self.event(i, [], [], [None])
             async for i, (text, token, reason) in _merged(choices):
                 counts[i] += 1
-                yield _sse({**self.head, "choices": [self.choice(i, [text], [token], [reason], counts[i] == 1)]})
+                event = partial(self.event, i, [text], [token], [reason], counts[i] == 1)
+                # an echo's first event carries the prompt's logprobs, as long as the prompt: off the loop
+                yield await asyncio.to_thread(event) if self.echo and counts[i] == 1 else event()
         except APIError as e:
             yield _sse(e.body())
         else:
             if self.body.stream_options and self.body.stream_options.include_usage:
                 yield _sse({**self.head, "choices": [], "usage": self.usage(sum(counts))})
         yield "data: [DONE]\n\n"
+
+    def event(self, *choice) -> str:
+        """One SSE event of one choice (`choice`'s arguments)."""
+        return _sse({**self.head, "choices": [self.choice(*choice)]})
 
 
 def _sse(data: dict) -> str:

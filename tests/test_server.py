@@ -637,10 +637,12 @@ def test_a_client_that_hangs_up_while_queued_leaves_nothing_behind(tiny_model, c
     assert "Traceback" not in capfd.readouterr().err
 
 
-def test_a_whole_answer_is_built_off_the_event_loop(tiny_model, monkeypatch):
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_echo_with_logprobs_is_built_off_the_event_loop(tiny_model, monkeypatch, stream):
     """An echo of a long prompt with logprobs and many choices is millions of entries to build (21
     million for 128 choices of 8k tokens with 20 alternatives): built on the event loop, every other
-    stream waited it out. Each choice is built where no event loop runs, checked by watching where."""
+    stream waited it out. A whole answer's choices, and a stream's first event of each choice (the one
+    that carries the prompt's logprobs), are built where no event loop runs, checked by watching where."""
     from nano import serve
 
     def on_a_loop() -> bool:
@@ -649,13 +651,22 @@ def test_a_whole_answer_is_built_off_the_event_loop(tiny_model, monkeypatch):
         except RuntimeError:  # none runs in this thread
             return False
 
-    built_on_a_loop, choice = [], serve.Answer.choice
-    monkeypatch.setattr(serve.Answer, "choice", lambda *a, **k: built_on_a_loop.append(on_a_loop()) or choice(*a, **k))
+    built, choice = [], serve.Answer.choice  # (on a loop, the choice's first part)
+
+    def watched(*args):
+        built.append((on_a_loop(), args[5] if len(args) > 5 else True))
+        return choice(*args)
+
+    monkeypatch.setattr(serve.Answer, "choice", watched)
     engine = Engine(tiny_model, EngineConfig(max_total_tokens=10000, log=False))
     with in_process_server(engine, Tokenizer(tiny_model)) as (url, _):
-        status, reply = call(url, "/v1/completions", dict(prompt=[5, 9, 11], max_tokens=2, n=3, echo=True, logprobs=2))
-    assert status == 200 and len(reply["choices"]) == 3 and reply["choices"][2]["logprobs"]["tokens"], reply
-    assert built_on_a_loop == [False] * 3
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        sent = dict(model="tiny", prompt=[5, 9, 11], max_tokens=2, n=3, echo=True, logprobs=2, stream=stream)
+        reply = client.completions.create(**sent)
+        parts = list(reply) if stream else [reply]
+    firsts = [part for part in parts for c in part.choices if c.logprobs and len(c.logprobs.tokens) > 1]
+    assert len(firsts) == 3 and {c.index for part in firsts for c in part.choices} == {0, 1, 2}  # the echoes
+    assert sorted(built) == [(False, True)] * 3 + [(True, False)] * (3 if stream else 0), built
 
 
 def test_a_bug_in_a_route_is_an_openai_style_500_and_serving_goes_on(tiny_model, monkeypatch):
