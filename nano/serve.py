@@ -32,7 +32,6 @@ takes token-id prompts and still says what it generated; vLLM's `/tokenize`, `/d
 
 import asyncio
 import copy
-import json
 import signal
 import socket
 import sys
@@ -49,7 +48,7 @@ try:  # Ctrl-C while these import torch (seconds; nano.cli's `cli` is not runnin
     from starlette.exceptions import HTTPException
 
     from nano.api import (DEFAULT_COMPLETION_TOKENS, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                          check_api_key, json_answer, parse)
+                          check_api_key, json_answer, parse, sse)
     from nano.cli import ArgumentParser, UsageError, add_engine_args, build_engine, cli, resolve_model_or_shape
     from nano.config import load_config
     from nano.engine_process import APIError, EngineClient, Stream, Token, first_events, start_engine_process
@@ -331,23 +330,17 @@ class Answer:
                 yield self.event(i, [], [], [None])
             async for i, (text, token, reason) in _merged(choices):
                 counts[i] += 1
-                event = partial(self.event, i, [text], [token], [reason], counts[i] == 1)
-                # an echo's first event carries the prompt's logprobs, as long as the prompt: off the loop
-                yield await asyncio.to_thread(event) if self.echo and counts[i] == 1 else event()
+                args = (i, [text], [token], [reason], counts[i] == 1)  # an echo's first: the prompt's logprobs
+                yield await asyncio.to_thread(self.event, *args) if self.echo and counts[i] == 1 else self.event(*args)
         except APIError as e:
-            yield _sse(e.body())
+            yield sse(e.body())
         else:
             if self.body.stream_options and self.body.stream_options.include_usage:
-                yield _sse({**self.head, "choices": [], "usage": self.usage(sum(counts))})
+                yield sse({**self.head, "choices": [], "usage": self.usage(sum(counts))})
         yield "data: [DONE]\n\n"
 
     def event(self, *choice) -> str:
-        """One SSE event of one choice (`choice`'s arguments)."""
-        return _sse({**self.head, "choices": [self.choice(*choice)]})
-
-
-def _sse(data: dict) -> str:
-    return f"data: {json.dumps(data)}\n\n"
+        return sse({**self.head, "choices": [self.choice(*choice)]})
 
 
 async def until_disconnected(http: HTTPRequest, awaitable):
