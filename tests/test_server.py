@@ -1410,32 +1410,44 @@ def test_bench_serving_e2e_latency_ends_at_the_last_token():
     assert result.latency >= result.ttft + sum(result.itl) - 1e-6
 
 
+def body_request(body: bytes, chunked: bool = True):
+    """A POST whose body arrives in 64 KiB messages, announced as chunked or by its Content-Length
+    -> (the request, the messages its server has not handed over yet)."""
+    from starlette.requests import Request as HTTPRequest
+
+    pieces = [body[i : i + (64 << 10)] for i in range(0, len(body), 64 << 10)]
+    messages = [{"type": "http.request", "body": p, "more_body": True} for p in pieces]
+    messages.append({"type": "http.request", "body": b"", "more_body": False})
+
+    async def receive():
+        return messages.pop(0)
+
+    length = (b"transfer-encoding", b"chunked") if chunked else (b"content-length", str(len(body)).encode())
+    headers = [(b"content-type", b"application/json"), length]
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers}
+    return HTTPRequest(scope, receive), messages
+
+
 def test_a_chunked_body_over_the_limit_is_refused_with_413():
     """A body sent with Transfer-Encoding: chunked announces no Content-Length: the limit holds for
     what arrives, and the read stops once it is passed (a body of exactly the limit is read)."""
-    from starlette.requests import Request as HTTPRequest
-
-    def chunked_request(body: bytes):
-        """-> (the request, the messages its server has not handed over yet)"""
-        pieces = [body[i : i + (64 << 10)] for i in range(0, len(body), 64 << 10)]
-        messages = [{"type": "http.request", "body": p, "more_body": True} for p in pieces]
-        messages.append({"type": "http.request", "body": b"", "more_body": False})
-
-        async def receive():
-            return messages.pop(0)
-
-        headers = [(b"content-type", b"application/json"), (b"transfer-encoding", b"chunked")]
-        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers}
-        return HTTPRequest(scope, receive), messages
-
     fits = b'{"prompt": "hi"}'.ljust(MAX_BODY_BYTES)  # JSON may end in spaces
-    request, _ = chunked_request(fits)
+    request, _ = body_request(fits)
     assert asyncio.run(read_json(request)) == {"prompt": "hi"}
-    request, unread = chunked_request(fits + b" " * (1 << 20))
+    request, unread = body_request(fits + b" " * (1 << 20))
     with pytest.raises(APIError) as refused:
         asyncio.run(read_json(request))
     assert refused.value.status == 413 and str(MAX_BODY_BYTES) in refused.value.message
     assert len(unread) > 1  # refused as it passed the limit, not after reading the whole body
+
+
+def test_a_body_of_exactly_the_limit_is_read_and_one_byte_more_is_a_413():
+    """The same limit for a body that announces its Content-Length: exactly the limit is read."""
+    fits = b'{"prompt": "hi"}'.ljust(MAX_BODY_BYTES)
+    assert asyncio.run(read_json(body_request(fits, chunked=False)[0])) == {"prompt": "hi"}
+    with pytest.raises(APIError) as refused:
+        asyncio.run(read_json(body_request(fits + b" ", chunked=False)[0]))
+    assert refused.value.status == 413
 
 
 def test_a_finished_requests_logprobs_leave_the_engine_and_its_prompts_come_once(tiny_model):
@@ -1690,32 +1702,5 @@ def test_no_stats_line_without_decode_tokens(monkeypatch, capsys):
     log.maybe_print()
     assert capsys.readouterr().err == ""
     engine.stats["decode_tokens"] = 30
-    clock[0] += 0.0
     log.maybe_print()  # 30 tokens over the 30 busy seconds
     assert "decode 1.0 tok/s" in capsys.readouterr().err
-
-
-# ---- the body's size limit, without a server ----
-
-class FakeHTTP:  # what read_json reads of a starlette request: the headers and the body's chunks
-    def __init__(self, raw: bytes):
-        self.raw, self.headers = raw, {"content-length": str(len(raw))}
-
-    async def stream(self):
-        for i in range(0, len(self.raw), 65536):
-            yield self.raw[i:i + 65536]
-
-
-def body_of(size: int) -> bytes:
-    head = b'{"prompt": "'
-    raw = head + b"a" * (size - len(head) - 2) + b'"}'
-    assert len(raw) == size
-    return raw
-
-
-def test_a_body_of_exactly_the_limit_is_read_and_one_byte_more_is_a_413():
-    data = asyncio.run(read_json(FakeHTTP(body_of(MAX_BODY_BYTES))))
-    assert len(data["prompt"]) == MAX_BODY_BYTES - 14
-    with pytest.raises(APIError) as error:
-        asyncio.run(read_json(FakeHTTP(body_of(MAX_BODY_BYTES + 1))))
-    assert error.value.status == 413
