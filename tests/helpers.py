@@ -3,6 +3,8 @@ the logits the engine samples from, NaN-poisoned allocations for kernel tests, a
 a command line. The test modules import from here, never from each other."""
 
 import contextlib
+import importlib
+import io
 import json
 import os
 import shutil
@@ -193,6 +195,21 @@ def nan_allocations():
 def run_cli(*args, timeout=300, module="nano.generate", **kwargs):
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
                           timeout=timeout, **kwargs)
+
+
+def run_main(*args, module="nano.generate"):
+    """A command run as `run_cli` runs it, but in this process: its `main` through the same `cli()`
+    (one-line errors, exit statuses), without starting Python and torch anew, which takes 3 s on the
+    GPU machine. What only a process of its own shows (stdin, stdout's encoding, signals, imports)
+    stays with `run_cli`."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            importlib.import_module(module).main(list(args))
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    return subprocess.CompletedProcess([module, *args], code, out.getvalue(), err.getvalue())
 
 
 def assert_one_line_error(result, *fragments):

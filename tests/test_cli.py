@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.helpers import assert_one_line_error, run_cli, save_tiny_chat_model, save_tiny_llama
+from tests.helpers import assert_one_line_error, run_cli, run_main, save_tiny_chat_model, save_tiny_llama
 
 
 def run_bench(*args):
@@ -46,18 +46,19 @@ def test_several_prompts_print_in_order(smollm2_dir, tmp_path):
 @pytest.fixture
 def tiny_model(tmp_path, smollm2_dir):
     folder = save_tiny_chat_model(tmp_path / "tiny", smollm2_dir)
-    result = run_cli("--model", str(folder), "--prompt", "hi", "--max-new-tokens", "3")
+    result = run_main("--model", str(folder), "--prompt", "hi", "--max-new-tokens", "3")
     assert result.returncode == 0, result.stderr
     return folder
 
 
 def test_missing_model_folder(tmp_path):
-    assert_one_line_error(run_cli("--model", str(tmp_path / "nope"), "--prompt", "hi"), "does not exist")
+    assert_one_line_error(run_main("--model", str(tmp_path / "nope"), "--prompt", "hi"), "does not exist")
 
 
 def test_model_that_is_a_file(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
-    assert_one_line_error(run_cli("--model", str(tmp_path / "model.safetensors"), "--prompt", "hi"), "not a model folder")
+    result = run_main("--model", str(tmp_path / "model.safetensors"), "--prompt", "hi")
+    assert_one_line_error(result, "not a model folder")
 
 
 def test_a_model_folder_given_as_dot_keeps_its_name(tmp_path, monkeypatch):
@@ -79,19 +80,19 @@ def test_no_model_flag_is_the_embedded_default(smollm2_dir):
 
 
 def test_empty_model_folder(tmp_path):
-    assert_one_line_error(run_cli("--model", str(tmp_path), "--prompt", "hi"), "no config.json")
+    assert_one_line_error(run_main("--model", str(tmp_path), "--prompt", "hi"), "no config.json")
 
 
 def test_malformed_config(tiny_model):
     (tiny_model / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "hidden_size": ')
-    assert_one_line_error(run_cli("--model", str(tiny_model), "--prompt", "hi"), "malformed JSON")
+    assert_one_line_error(run_main("--model", str(tiny_model), "--prompt", "hi"), "malformed JSON")
 
 
 def test_unsupported_architecture(tiny_model):
     config = json.loads((tiny_model / "config.json").read_text())
     config["architectures"] = ["GPT2LMHeadModel"]
     (tiny_model / "config.json").write_text(json.dumps(config))
-    assert_one_line_error(run_cli("--model", str(tiny_model), "--prompt", "hi"), "GPT2LMHeadModel",
+    assert_one_line_error(run_main("--model", str(tiny_model), "--prompt", "hi"), "GPT2LMHeadModel",
                           "LlamaForCausalLM")
 
 
@@ -99,7 +100,7 @@ def test_missing_tensor(tiny_model):
     weights = load_file(tiny_model / "model.safetensors")
     del weights["model.layers.1.mlp.up_proj.weight"]
     save_file(weights, tiny_model / "model.safetensors")
-    assert_one_line_error(run_cli("--model", str(tiny_model), "--prompt", "hi"),
+    assert_one_line_error(run_main("--model", str(tiny_model), "--prompt", "hi"),
                           "missing tensor model.layers.1.mlp.up_proj.weight")
 
 
@@ -112,7 +113,7 @@ def test_malformed_weight_index(tiny_model, index, fragment):
     # sharded: beside a model.safetensors, an index is not read (transformers' order)
     (tiny_model / "model.safetensors").rename(tiny_model / "model-00001-of-00001.safetensors")
     (tiny_model / "model.safetensors.index.json").write_bytes(index)
-    assert_one_line_error(run_cli("--model", str(tiny_model), "--prompt", "hi"), "model.safetensors.index.json",
+    assert_one_line_error(run_main("--model", str(tiny_model), "--prompt", "hi"), "model.safetensors.index.json",
                           fragment)
 
 
@@ -120,7 +121,7 @@ def test_misshaped_tensor(tiny_model):
     weights = load_file(tiny_model / "model.safetensors")
     weights["model.layers.0.self_attn.o_proj.weight"] = torch.randn(64, 32)
     save_file(weights, tiny_model / "model.safetensors")
-    assert_one_line_error(run_cli("--model", str(tiny_model), "--prompt", "hi"),
+    assert_one_line_error(run_main("--model", str(tiny_model), "--prompt", "hi"),
                           "model.layers.0.self_attn.o_proj.weight", "[64, 32]")
 
 
@@ -137,24 +138,24 @@ def test_misshaped_tensor(tiny_model):
     (["--chunked-prefill-size", "-5"], "chunked-prefill-size"),
 ])
 def test_bad_flag_values(tiny_model, flags, fragment):
-    assert_one_line_error(run_cli("--model", str(tiny_model), "--prompt", "hi", *flags), fragment)
+    assert_one_line_error(run_main("--model", str(tiny_model), "--prompt", "hi", *flags), fragment)
 
 
 def test_an_empty_prompt_file_name_names_no_file(tiny_model):
     """`--prompt-file ""` (a variable left unset in a script) was skipped, and the run went on with --prompt."""
-    assert_one_line_error(run_cli("--model", str(tiny_model), "--prompt", "hi", "--prompt-file", ""),
+    assert_one_line_error(run_main("--model", str(tiny_model), "--prompt", "hi", "--prompt-file", ""),
                           "cannot read --prompt-file")
 
 
 def test_prompt_file_that_is_not_text(tiny_model, tmp_path):
     (tmp_path / "prompts.bin").write_bytes(b"\xff\xfe\x00bad\n")
-    assert_one_line_error(run_cli("--model", str(tiny_model), "--prompt-file", str(tmp_path / "prompts.bin")),
+    assert_one_line_error(run_main("--model", str(tiny_model), "--prompt-file", str(tmp_path / "prompts.bin")),
                           "is not UTF-8 text")
 
 
 def test_prompt_that_is_not_utf8(tiny_model):
     # bytes that are not UTF-8 reach Python's argv as lone surrogates (and go back out as the same bytes)
-    assert_one_line_error(run_cli("--model", str(tiny_model), "--prompt", "caf\udce9"), "prompt 1 is not UTF-8 text")
+    assert_one_line_error(run_main("--model", str(tiny_model), "--prompt", "caf\udce9"), "prompt 1 is not UTF-8 text")
 
 
 def test_a_reader_that_goes_away_ends_the_run_quietly(smollm2_dir):
@@ -188,11 +189,11 @@ def test_the_cap_note_names_only_the_prompts_that_were_capped(tiny_model):
 
 
 def test_empty_prompt(tiny_model):
-    assert_one_line_error(run_cli("--model", str(tiny_model), "--prompt", "  "), "empty")
+    assert_one_line_error(run_main("--model", str(tiny_model), "--prompt", "  "), "empty")
 
 
 def test_prompt_longer_than_context(tiny_model):
-    assert_one_line_error(run_cli("--model", str(tiny_model), "--prompt", "word " * 300), "prompt 1", "256")
+    assert_one_line_error(run_main("--model", str(tiny_model), "--prompt", "word " * 300), "prompt 1", "256")
 
 
 def test_prompt_file_dash_reads_stdin(smollm2_dir):
@@ -239,7 +240,7 @@ def test_cpu_run_never_imports_triton(smollm2_dir):
 
 
 def test_shipped_shape_in_generate_points_to_the_benchmark():
-    assert_one_line_error(run_cli("--model", "llama-3-8b", "--prompt", "hi"),
+    assert_one_line_error(run_main("--model", "llama-3-8b", "--prompt", "hi"),
                           "python -m nano.bench_latency --model llama-3-8b")
 
 
@@ -442,7 +443,6 @@ def test_help_shows_defaults_and_examples(module):
     (["--peak-bandwidth", "nan"], "--peak-bandwidth"),
     (["--peak-bandwidth", "0"], "--peak-bandwidth must be a positive number"),
     (["--peak-bandwidth", "inf"], "--peak-bandwidth must be a positive number"),
-    (["--max-total-tokens", "200", "--batch-size", "2"], "does not fit"),  # else it times one at a time
     (["--device", "cpu", "--tp-size", "2"], "splits the model over GPUs, and this run has none"),
     (["--device", "cpu", "--threads", "0"], "--threads must be > 0"),
     (["--device", "cpu", "--threads", "100000"], "--threads 100000: this process may run on"),  # torch crashed on it
@@ -450,11 +450,17 @@ def test_help_shows_defaults_and_examples(module):
     (["--device", "cpu", "--max-running-requests", "-5"], "--max-running-requests must be > 0"),  # raised silently
     (["--device", "cpu", "--chunked-prefill-size", "2"], "prefills each batch in one pass"),  # set aside silently
 ])
-def test_bad_engine_flags(flags, fragment):
-    """Flag errors come before any model is loaded (a batch that does not fit the KV cache once it is
-    sized); bench_latency reports them as generate does."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    assert_one_line_error(run_cli(*flags, module="nano.bench_latency", env=env), fragment)
+def test_bad_engine_flags(flags, fragment, monkeypatch):
+    """Flag errors come before any model is loaded; bench_latency reports them as generate does."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert_one_line_error(run_main(*flags, module="nano.bench_latency"), fragment)
+
+
+def test_a_batch_that_does_not_fit_the_sized_kv_cache_is_one_line():
+    """Found once the model is loaded and its KV cache sized (else it would time one at a time). In a
+    process of its own: on a GPU it loads Llama-3-8B, whose memory would stay with the test process."""
+    result = run_cli("--max-total-tokens", "200", "--batch-size", "2", module="nano.bench_latency")
+    assert_one_line_error(result, "does not fit")
 
 
 def test_help_leaves_out_defaults_that_are_none_or_off():
@@ -536,7 +542,7 @@ def test_omp_num_threads_where_set_is_kept(tmp_path, omp, threads):
     (["--seed", "-1"], "--seed"),
 ])
 def test_bad_throughput_flags(flags, fragment):
-    result = run_cli("--model", "smollm2-135m", "--device", "cpu", "--num-prompts", "2", "--output-len", "2", "3",
+    result = run_main("--model", "smollm2-135m", "--device", "cpu", "--num-prompts", "2", "--output-len", "2", "3",
                      *flags, module="nano.bench_throughput")
     assert_one_line_error(result, fragment)
 

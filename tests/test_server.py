@@ -35,7 +35,7 @@ from nano.api import MAX_BODY_BYTES, ChatRequest, CompletionRequest, read_json  
 from nano.engine_process import APIError, EngineClient, run_engine  # noqa: E402
 from nano.serve import build_app  # noqa: E402
 from nano.tokenizer import Detokenizer, Tokenizer  # noqa: E402
-from tests.helpers import (assert_one_line_error, free_port, run_cli, save_tiny_chat_model,  # noqa: E402
+from tests.helpers import (assert_one_line_error, free_port, run_cli, run_main, save_tiny_chat_model,  # noqa: E402
                            start_server)
 
 API_KEY = "test-key"
@@ -992,7 +992,7 @@ def test_bench_serving_text_prompts_of_unknown_output_length_are_one_line(server
                                              (["--api-key", "a\nb"], "holds a control character"),
                                              (["--served-model-name", " "], "--served-model-name is empty")])
 def test_flags_no_request_could_meet_are_refused_at_start(flags, fragment):
-    assert_one_line_error(run_cli(*flags, module="nano.serve"), fragment)
+    assert_one_line_error(run_main(*flags, module="nano.serve"), fragment)
 
 
 def test_bench_serving_refuses_an_api_key_no_header_can_carry(server):
