@@ -23,8 +23,9 @@ import secrets
 from typing import Annotated, Literal
 
 from fastapi import Request as HTTPRequest
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from nano.engine_process import APIError
@@ -249,3 +250,14 @@ async def json_answer(content) -> Response:
     FastAPI's own encoder visits every element in Python (0.7 s for 800k ids) while all streams wait."""
     text = await asyncio.to_thread(json.dumps, content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
     return Response(text, media_type="application/json")
+
+
+async def error_json(_, e: Exception):
+    """Every error as OpenAI's error JSON: ours, Starlette's (unknown paths and methods), and a
+    bug's (the client gets one line, the log the traceback)."""
+    headers = None
+    if isinstance(e, HTTPException):  # its headers too: a 405's Allow names the methods the path takes
+        e, headers = APIError(e.status_code, str(e.detail)), e.headers
+    elif not isinstance(e, APIError):
+        e = APIError(500, f"internal error ({type(e).__name__})")
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)

@@ -16,7 +16,7 @@ steps. Apart, each has a core.
 Every request gets an answer, and no request can take the server down. Bad input is a 400 with
 OpenAI's error JSON (api.py reads the bodies); a client that goes away aborts its request, so its
 KV slots return to the pool at once; SIGINT/SIGTERM stop accepting connections, let in-flight
-requests finish, and exit 0. The routes below find the engine's client, the tokenizer and the
+requests finish, and exit 0 (a second Ctrl-C cuts them off and exits 130). The routes below find the engine's client, the tokenizer and the
 model's name on `app.state`.
 
 A request with several choices (several prompts, or `n`) submits them all at once, so they prefill
@@ -32,6 +32,7 @@ takes token-id prompts and still says what it generated; vLLM's `/tokenize`, `/d
 
 import asyncio
 import copy
+import os
 import signal
 import socket
 import sys
@@ -48,7 +49,7 @@ try:  # Ctrl-C while these import torch (seconds; nano.cli's `cli` is not runnin
     from starlette.exceptions import HTTPException
 
     from nano.api import (DEFAULT_COMPLETION_TOKENS, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                          check_api_key, json_answer, parse, sse)
+                          check_api_key, error_json, json_answer, parse, sse)
     from nano.cli import ArgumentParser, UsageError, add_engine_args, build_engine, cli, resolve_model_or_shape
     from nano.config import load_config
     from nano.engine_process import APIError, EngineClient, Stream, Token, first_events, start_engine_process
@@ -359,17 +360,6 @@ async def until_disconnected(http: HTTPRequest, awaitable):
     await asyncio.gather(work, return_exceptions=True)  # -> None; its CancelledError taken, not logged as lost
 
 
-async def error_json(_, e: Exception):
-    """Every error as OpenAI's error JSON: ours, Starlette's (unknown paths and methods), and a
-    bug's (the client gets one line, the log the traceback)."""
-    headers = None
-    if isinstance(e, HTTPException):  # its headers too: a 405's Allow names the methods the path takes
-        e, headers = APIError(e.status_code, str(e.detail)), e.headers
-    elif not isinstance(e, APIError):
-        e = APIError(500, f"internal error ({type(e).__name__})")
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
-
-
 def build_app(client: EngineClient, tokenizer: Tokenizer | None, model_name: str,
               api_key: str | None = None) -> FastAPI:
     @asynccontextmanager
@@ -429,6 +419,13 @@ def run(args):
     log_config["handlers"]["access"]["stream"] = "ext://sys.stderr"
     app = build_app(client, tokenizer, args.served_model_name or model_dir.name, args.api_key)
     server = uvicorn.Server(uvicorn.Config(app, log_level="info", log_config=log_config))
+
+    def handle_exit(sig, frame):  # a second Ctrl-C quits at once: uvicorn's "force quit" cancels every
+        if server.should_exit and sig == signal.SIGINT:  # request left, a traceback each, and kills the engine
+            client.worker.kill()
+            os._exit(130)
+        uvicorn.Server.handle_exit(server, sig, frame)
+    server.handle_exit = handle_exit
     # uvicorn handles SIGINT/SIGTERM itself (a graceful shutdown), then re-raises the signal into
     # the handlers it found: make those no-ops, so a requested shutdown exits 0
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -17,7 +17,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -401,6 +401,39 @@ def test_sigterm_finishes_the_request_in_flight_and_exits_0(tiny_model, tmp_path
         proc.kill()
     with pytest.raises(OSError):
         urllib.request.urlopen(url + "/health", timeout=5)
+
+
+def test_a_second_ctrl_c_cuts_the_requests_off_and_exits_130_without_a_traceback(tiny_model, tmp_path):
+    """The first Ctrl-C waits for the requests in flight; a second one ends the server at once, its
+    engine too. uvicorn's own "force quit" cancelled each request with a traceback, then the engine's."""
+    proc, url = start_server(tiny_model, tmp_path / "server.log", *SERVER_FLAGS)
+    body = dict(prompt=[300, 301], max_tokens=4000, ignore_eos=True, stream=True)
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url + "/v1/completions", json=body) as resp:
+                lines = resp.content.__aiter__()
+                assert (await lines.__anext__()).startswith(b"data: ")
+                engine = engine_pid(proc.pid)
+                proc.send_signal(signal.SIGINT)
+                for _ in range(40):  # 20 more events (each and a blank line): the first Ctrl-C lets it finish
+                    await lines.__anext__()
+                proc.send_signal(signal.SIGINT)
+                rest = []
+                with suppress(aiohttp.ClientPayloadError):  # the chunked body ends unfinished
+                    rest += [line async for line in lines if line.startswith(b"data: ")]
+                return engine, rest
+
+    try:
+        engine, rest = asyncio.run(main())
+        assert proc.wait(timeout=30) == 130
+        log = (tmp_path / "server.log").read_text()
+        assert "Traceback" not in log and "error" not in log.lower(), log
+        assert rest[-1:] != [b"data: [DONE]\n"] and len(rest) < 4000 - 21  # cut off
+        time.sleep(1)
+        assert not Path(f"/proc/{engine}").exists() or state_and_parent(engine)[0] == "Z"  # killed, not left running
+    finally:
+        proc.kill()
 
 
 def test_an_engine_that_cannot_start_is_one_line_and_exit_2(tiny_model):
