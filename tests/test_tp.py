@@ -487,6 +487,33 @@ def test_the_watcher_reads_the_exit_code_of_a_worker_that_died(monkeypatch, caps
     assert "error: tensor-parallel worker rank 1 (exit code -9) stopped" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("codes, exit_code, printed", [
+    ([2, 2], 2, ""),  # each printed its one-line error
+    ([130, 130], 130, ""),  # each met Ctrl-C: rank 0 ends as quietly, with Ctrl-C's status
+    ([2, 130], 1, "error: tensor-parallel worker rank 1 (exit code 2), rank 2 (exit code 130) stopped"),
+])
+def test_workers_that_all_ended_quietly_end_rank_0_with_their_status(monkeypatch, capsys, codes, exit_code, printed):
+    class Ended:
+        def __init__(self, code):
+            read, write = os.pipe()
+            os.close(write)  # the worker's end: closed, as at its exit
+            self.sentinel, self.exitcode = read, code
+
+        def join(self):
+            pass
+
+    group = object.__new__(TensorParallel)
+    group.workers, group.closed = [Ended(code) for code in codes], False
+    monkeypatch.setattr(os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    with pytest.raises(SystemExit) as exit_:
+        group._exit_if_a_worker_dies()
+    for worker in group.workers:
+        os.close(worker.sentinel)
+    assert exit_.value.code == exit_code
+    err = capsys.readouterr().err
+    assert printed in err and (printed or err == "")
+
+
 def test_the_servers_engine_at_tp2_outlives_a_service_managers_sigterm(tmp_path):
     """systemd stops a service with SIGTERM to each of its processes (test_server: the request in flight
     finishes, then the server stops the engine). The engine process outlives it; its workers must too,

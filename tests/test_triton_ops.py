@@ -231,6 +231,14 @@ def test_argmax(width, dtype):
     check_argmax(3, width, dtype)
 
 
+def test_argmax_on_cpu_picks_the_first_of_equal_largest_values():
+    """Greedy sampling's choice between tied logits: the first, as the Triton kernel and torch pick."""
+    x = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    x[:, [7, 30, 41]] = x.max() + 1
+    x[2, 3] = x.max()  # row 2: tied at 3, 7, 30 and 41
+    assert ops.argmax(x).tolist() == [7, 7, 3, 7]
+
+
 # ---------------------------------------------------------------- GPU, Llama-3-8B sizes, bfloat16
 
 
