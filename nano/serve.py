@@ -16,8 +16,8 @@ steps. Apart, each has a core.
 Every request gets an answer, and no request can take the server down. Bad input is a 400 with
 OpenAI's error JSON (api.py reads the bodies); a client that goes away aborts its request, so its
 KV slots return to the pool at once; SIGINT/SIGTERM stop accepting connections, let in-flight
-requests finish, and exit 0 (a second Ctrl-C cuts them off and exits 130). The routes below find the engine's client, the tokenizer and the
-model's name on `app.state`.
+requests finish, and exit 0 (a second Ctrl-C cuts them off and exits 130). The routes below find
+the engine's client, the tokenizer and the model's name on `app.state`.
 
 A request with several choices (several prompts, or `n`) submits them all at once, so they prefill
 together (`n` samples of 32+ tokens: one computes the prompt, the rest find it cached a step later);
