@@ -1610,6 +1610,76 @@ def test_an_idle_engine_loop_waits_in_its_inbox(tiny_model):
     assert [t.finish_reason for t in tokens] == [None, None, "length"]
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_ignore_eos_runs_past_an_eos_to_max_tokens(tiny_model, path):
+    """The greedy continuation's third token made an EOS id (the tokenizer's): without ignore_eos the
+    answer ends before it with finish_reason "stop"; with it, the answer is the whole greedy continuation."""
+    prompt = random.Random(2).choices(range(1000, 2000), k=7)
+    body = dict(max_tokens=8, temperature=0, **({"prompt": prompt} if "chat" not in path else
+                                                 {"messages": [{"role": "user", "content": "Name a colour."}]}))
+    tokenizer = Tokenizer(tiny_model)
+    engine = Engine(tiny_model, EngineConfig(max_total_tokens=10000, log=False))
+    with in_process_server(engine, tokenizer) as (url, _):
+        status, reply = call(url, path, dict(body, ignore_eos=True))
+        greedy = reply["choices"][0]["token_ids"]
+    assert status == 200 and len(greedy) == 8 and greedy[2] not in greedy[:2], greedy
+    tokenizer.eos_token_ids = [greedy[2]]  # read once, when the app is built
+    with in_process_server(Engine(tiny_model, EngineConfig(max_total_tokens=10000, log=False)), tokenizer) as (url, _):
+        stopped = call(url, path, body)[1]["choices"][0]
+        ignored = call(url, path, dict(body, ignore_eos=True))[1]
+    assert stopped["token_ids"] == greedy[:3] and stopped["finish_reason"] == "stop"
+    assert ignored["choices"][0]["token_ids"] == greedy and ignored["choices"][0]["finish_reason"] == "length"
+    assert ignored["usage"]["completion_tokens"] == 8
+
+
+@pytest.mark.parametrize("num_prompts", [1, 2, 5, 7])
+def test_a_dataset_file_is_cycled_to_exactly_num_prompts(tmp_path, num_prompts):
+    """Fewer prompts asked than the file holds: its first ones; more: the file again from its start."""
+    from nano.bench_serving import build_parser, make_prompts
+
+    rng = random.Random(num_prompts)
+    rows = [{"prompt": rng.choices(range(100), k=rng.randint(1, 6)), "output_len": rng.randint(1, 9)} for _ in range(3)]
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = build_parser().parse_args(["--num-prompts", str(num_prompts), "--dataset", str(dataset)])
+    expected = [(rows[i % 3]["prompt"], rows[i % 3]["output_len"]) for i in range(num_prompts)]
+    assert make_prompts(args, vocab_size=100) == expected
+
+
+def test_the_peak_of_running_requests_is_the_most_any_poll_saw():
+    """poll_running keeps the largest `running` that /health reported, not the last one."""
+    from nano.bench_serving import poll_running
+
+    answers = [3, 7, aiohttp.ClientError("gone a moment"), 2, 0]
+
+    class Response:
+        def __init__(self, running):
+            self.running = running
+
+        async def __aenter__(self):
+            if isinstance(self.running, Exception):
+                raise self.running
+            return self
+
+        async def __aexit__(self, *exc):
+            return False
+
+        async def json(self):
+            return {"running": self.running}
+
+    class Session:
+        def get(self, url):
+            assert url == "http://server/health"
+            if not answers:
+                raise asyncio.CancelledError  # the benchmark is over: its poller is cancelled
+            return Response(answers.pop(0))
+
+    peak = {"running": 0}
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(poll_running(Session(), "http://server", peak))
+    assert peak == {"running": 7} and answers == []
+
+
 # ---- the answer's shapes, in process: Answer and _pieces from hand-made tokens ----
 
 def _sse_events(answer, choices) -> list:
@@ -1699,6 +1769,69 @@ def test_a_choice_that_reaches_a_stop_string_is_aborted_at_once(smollm2_dir):
     assert "".join(t for t, _, _ in collected) == text[: text.index(stop)]
     assert collected[-1][2] == "stop" and collected[-1][1].stop_reason == stop and len(collected) < len(ids)
     assert Client.aborted == [stream]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_response_names_its_object_and_id_as_openai_does(chat, stream):
+    """OpenAI's shapes: a chat answer is a "chat.completion" (each streamed event a "chat.completion.chunk")
+    with an id "chatcmpl-..."; a completion, streamed or not, is a "text_completion" with an id "cmpl-..."."""
+    messages = [{"role": "user", "content": "hi"}]
+    body = ChatRequest(messages=messages, stream=stream) if chat else CompletionRequest(prompt=[5, 6], stream=stream)
+    from nano.serve import Answer
+
+    answer = Answer(SimpleNamespace(tokenizer=None, model_name="m"), body, chat, [[5, 6]])
+    expected = ("chat.completion.chunk" if stream else "chat.completion") if chat else "text_completion"
+    assert answer.head["object"] == expected and answer.head["model"] == "m"
+    prefix, _, hex_id = answer.head["id"].partition("-")
+    assert prefix == ("chatcmpl" if chat else "cmpl") and len(hex_id) == 32
+
+
+def test_an_echo_that_leaves_max_tokens_to_the_default_keeps_its_generated_tokens(smollm2_dir):
+    """Only max_tokens 0 makes an echo the prompt alone: left out (the default, 16 tokens), the choice
+    holds the prompt's text and then the generated tokens, listed and counted in usage."""
+    from nano.serve import Answer
+
+    tokenizer, rng = Tokenizer(smollm2_dir), random.Random(1)
+    prompt = rng.choices(range(1000, 1100), k=5)
+    body = CompletionRequest(prompt=prompt, echo=True, logprobs=1)
+    answer = Answer(SimpleNamespace(tokenizer=tokenizer, model_name="m"), body, False, [prompt])
+    plp = [(-rng.random(), [(rng.randrange(1000, 1100), -rng.random())]) for _ in prompt[1:]]
+    tokens = _tokens(rng, 4, plp)
+    texts = [tokenizer.token_text(t.id) for t in tokens]
+    choice = answer.choice(0, texts, tokens, [t.finish_reason for t in tokens])
+    assert choice["text"] == tokenizer.decode(prompt, special_tokens=True) + "".join(texts)
+    assert choice["token_ids"] == [t.id for t in tokens] and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["token_logprobs"] == [None] + [lp for lp, _ in plp] + [t.logprob for t in tokens]
+    assert answer.usage(len(tokens)) == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
+
+
+def test_a_choice_that_fails_leaves_no_read_of_the_others_pending():
+    """_merged over several choices: when one raises (a failed step), the others' reads, which would wait
+    forever on streams nobody feeds any more, are cancelled, not left behind as tasks holding their streams."""
+    from nano.serve import _merged
+
+    async def failing():
+        await asyncio.sleep(0)
+        raise RuntimeError("a failed step")
+        yield  # an async generator
+
+    async def waiting(started):
+        started.append(1)
+        await asyncio.Event().wait()
+        yield "never"
+
+    async def main():
+        started = []
+        with pytest.raises(RuntimeError, match="a failed step"):
+            async for _ in _merged([waiting(started), failing(), waiting(started)]):
+                pass
+        await asyncio.sleep(0)  # a cancelled task ends on the loop's next turn
+        left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        return started, left
+
+    started, left = asyncio.run(main())
+    assert started == [1, 1] and left == []
 
 
 # ---- the engine loop's stats line, on a fake engine and a fake clock ----
