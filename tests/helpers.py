@@ -17,6 +17,8 @@ import urllib.request
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, normalizers, processors
 
 from nano import engine as engine_module
 from nano.rope import rope_frequencies
@@ -219,6 +221,21 @@ def assert_one_line_error(result, *fragments):
     for fragment in fragments:
         assert fragment in lines[-1], lines[-1]
     assert result.stdout == ""
+
+
+def save_byte_fallback_tokenizer(folder):
+    """A Llama-2-style tokenizer: SentencePiece "▁" for spaces, and a character outside the small
+    vocabulary spelled as its UTF-8 bytes, one <0xNN> token each (the decoder joins a run of them)."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    vocab |= {piece: len(vocab) + i for i, piece in enumerate(["▁", "a", "b", "▁a", "▁b"])}
+    tok = HFTokenizer(models.BPE(vocab, [("▁", "a"), ("▁", "b")], unk_token="<unk>", byte_fallback=True))
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
 
 
 def save_tiny_chat_model(folder, tokenizer_dir, **config):

@@ -22,6 +22,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 # the server's own dependencies and the official client; a GPU machine without them skips these
 aiohttp = pytest.importorskip("aiohttp")
@@ -35,8 +37,8 @@ from nano.api import MAX_BODY_BYTES, ChatRequest, CompletionRequest, read_json  
 from nano.engine_process import APIError, EngineClient, run_engine  # noqa: E402
 from nano.serve import build_app  # noqa: E402
 from nano.tokenizer import Detokenizer, Tokenizer  # noqa: E402
-from tests.helpers import (assert_one_line_error, free_port, run_cli, run_main, save_tiny_chat_model,  # noqa: E402
-                           start_server)
+from tests.helpers import (assert_one_line_error, free_port, run_cli, run_main, save_byte_fallback_tokenizer,  # noqa: E402
+                           save_tiny_chat_model, save_tiny_llama, start_server)
 
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -1630,6 +1632,29 @@ def test_ignore_eos_runs_past_an_eos_to_max_tokens(tiny_model, path):
     assert stopped["token_ids"] == greedy[:3] and stopped["finish_reason"] == "stop"
     assert ignored["choices"][0]["token_ids"] == greedy and ignored["choices"][0]["finish_reason"] == "length"
     assert ignored["usage"]["completion_tokens"] == 8
+
+
+def test_a_completion_continues_its_prompts_text_under_a_sentencepiece_tokenizer(tmp_path):
+    """A SentencePiece "▁b" reads " b" after a prompt, as the whole text decodes, but "b" at the start
+    of a text (the decoder strips the first space): a completion's tokens are decoded with its prompt's
+    as context. The model is made to answer "▁a" or "▁b" at every step."""
+    folder = tmp_path / "model"
+    save_tiny_llama(folder, "gqa")
+    save_byte_fallback_tokenizer(folder)
+    tokenizer = Tokenizer(folder)
+    a, b = tokenizer.encode_text("a")[-1], tokenizer.encode_text("b")[-1]  # "▁a", "▁b"
+    weights = load_file(folder / "model.safetensors")
+    head = torch.zeros_like(weights["lm_head.weight"])
+    head[a] = torch.randn(head.shape[1])
+    head[b] = -head[a]  # one of the two wins every step
+    save_file({**weights, "lm_head.weight": head}, folder / "model.safetensors")
+    with in_process_server(Engine(folder, EngineConfig(log=False)), tokenizer) as (url, _):
+        status, reply = call(url, "/v1/completions", dict(prompt="a", max_tokens=4, temperature=0))
+    assert status == 200, reply
+    prompt_ids, choice = tokenizer.encode_prompt("a", use_chat_template=False), reply["choices"][0]
+    assert set(choice["token_ids"]) <= {a, b} and len(choice["token_ids"]) == 4
+    whole = tokenizer.decode(prompt_ids + choice["token_ids"])
+    assert choice["text"] == whole[len(tokenizer.decode(prompt_ids)):] and choice["text"].startswith(" ")
 
 
 @pytest.mark.parametrize("num_prompts", [1, 2, 5, 7])

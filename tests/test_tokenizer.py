@@ -7,10 +7,11 @@ import time
 
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, normalizers, processors
+from tokenizers import decoders, processors
 from transformers import AutoTokenizer
 
 from nano.tokenizer import REPLACEMENT_CHAR, Detokenizer, StopMatcher, StreamDecoder, Tokenizer, TokenizerError
+from tests.helpers import save_byte_fallback_tokenizer
 
 TEXTS = [
     "Hello, world! The year 2024 had 366 days.",
@@ -150,21 +151,6 @@ def test_named_chat_templates(smollm2_dir, tmp_path):
     expected = AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(messages, add_generation_prompt=True,
                                                                              tokenize=False)
     assert Tokenizer(tmp_path).apply_chat_template(messages) == expected
-
-
-def save_byte_fallback_tokenizer(folder):
-    """A Llama-2-style tokenizer: SentencePiece "▁" for spaces, and a character outside the small
-    vocabulary spelled as its UTF-8 bytes, one <0xNN> token each (the decoder joins a run of them)."""
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
-    vocab |= {piece: len(vocab) + i for i, piece in enumerate(["▁", "a", "b", "▁a", "▁b"])}
-    tok = HFTokenizer(models.BPE(vocab, [("▁", "a"), ("▁", "b")], unk_token="<unk>", byte_fallback=True))
-    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
 
 
 def test_stream_decoder_after_a_prompt_ending_in_byte_tokens(tmp_path):
