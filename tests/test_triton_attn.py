@@ -260,6 +260,40 @@ def test_num_kv_splits_grow_with_length_and_shrink_with_batch():
     assert [mla.split_cap(bs) for bs in (1, 32, 128, 160)] == [64, 8, 2, 1]
 
 
+def poison_unowned_slots(scene):
+    """NaN into every pool slot that no request of the batch owns (another request's, or one that
+    overflowed): attention must read a request's own slots only, lanes past a key included."""
+    owned = torch.zeros(scene.pool.k_buffers[0].shape[0], dtype=torch.bool)
+    for row, seq_len in zip(scene.batch.req_pool_indices.tolist(), scene.batch.seq_lens.tolist()):
+        owned[scene.req_to_token[row, :seq_len].long()] = True
+    for buf in scene.pool.k_buffers + ([] if scene.shape.mla else scene.pool.v_buffers):
+        buf[~owned] = float("nan")
+    assert (~owned[1:]).any()
+
+
+def nan_padded(t: torch.Tensor) -> torch.Tensor:
+    """t as a view of a wider tensor whose extra channels hold NaN (q and k are views into wider
+    projections in the models): lanes past a head must never be read."""
+    wide = torch.full((*t.shape[:-1], t.shape[-1] + 8), float("nan"), dtype=t.dtype)
+    wide[..., : t.shape[-1]] = t
+    return wide[..., : t.shape[-1]]
+
+
+@interpreted
+@pytest.mark.parametrize("shape", [Shape(4, 4, 24, 16), Shape(4, 1, 24, 16, mla=True)], ids=str)
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "extend"])
+def test_narrow_rope_keys_read_only_their_own_channels_and_slots(shape, decode):
+    """Keys whose rope part is narrower than its 16-lane tile (the tiny DeepSeek's 24 = 16 + 8), beside
+    other requests' pool slots and channels past the head that hold NaN: neither may be read."""
+    seq_lens, extend_lens = [70, 9, 33], ([1] * 3 if decode else [5, 9, 2])
+    scene = build_scene(shape, torch.float32, "cpu", [n - e for n, e in zip(seq_lens, extend_lens)], extend_lens,
+                        decode, seed=3)
+    poison_unowned_slots(scene)
+    scene.q, scene.k = nan_padded(scene.q), nan_padded(scene.k)
+    scene.v = scene.k[..., : shape.v_dim] if shape.mla else nan_padded(scene.v)
+    assert_matches(run_triton(scene, scene.triton_backend()), scene.reference(), TOLERANCE[torch.float32])
+
+
 # ---------------------------------------------------------------- GPU, real sizes, bfloat16
 
 GPU_SHAPES = [

@@ -239,6 +239,55 @@ def test_argmax_on_cpu_picks_the_first_of_equal_largest_values():
     assert ops.argmax(x).tolist() == [7, 7, 3, 7]
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_norm_of_small_rows_adds_epsilon_inside_the_root(dtype):
+    """Rows of embedding scale (|x| ~ 1e-3, as Llama's embeddings are): their mean square is near
+    eps, so eps inside rsqrt changes the output by tens of percent, not by rounding."""
+    x, residual = 1e-3 * randn(5, 100, dtype=dtype), 1e-3 * randn(5, 100, dtype=dtype)
+    weight = 1 + 0.1 * randn(100, dtype=dtype)
+    eps = 1e-5
+    with nan_allocations():
+        normed, _ = fused_add_rms_norm(x, residual, weight, eps)
+        alone, _ = fused_add_rms_norm(x, None, weight, eps)
+    assert_close(normed, reference_rms_norm(x + residual, weight, eps))
+    assert_close(alone, reference_rms_norm(x, weight, eps))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("width", [100, 10000])  # one partial slice; three slices (the pick pads them to four)
+def test_argmax_of_all_negative_logits_stays_in_the_row(width, dtype):
+    """Every logit below zero (a row of log-probabilities, say): lanes past the row, or slices past
+    the last, must never win, or the token picked lies past the vocabulary."""
+    x = -1 - randn(3, width + 3, dtype=dtype).abs()
+    x = x[:, :width]  # rows of a wider tensor
+    with nan_allocations():
+        picked = argmax(x)
+    assert torch.equal(picked, ops.argmax.reference(x))
+    assert (picked < width).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rope_launch_norms_a_latent_narrower_than_its_block(dtype):
+    """The norm that shares rope's launch, on a latent of 100 channels (a block of 128) followed in
+    its row by the rope part: the norm must neither read nor write the rope part's channels."""
+    num_tokens, num_heads, rope, width = 5, 3, 16, 100
+    rotary = RotaryEmbedding(rope, 64, 10000.0, None).to(DEVICE)
+    q, kv_a = randn(num_tokens, num_heads, rope, dtype=dtype), randn(num_tokens, width + rope, dtype=dtype)
+    weight = 1 + 0.1 * randn(width, dtype=dtype)
+    positions = torch.randint(0, 64, (num_tokens,), device=DEVICE)
+
+    def carve(q, kv_a):  # q_pe [T, H, 16], k_pe [T, 1, 16] (the row's last 16 channels), the latent's norm
+        return q, kv_a[:, width:].unsqueeze(1), {"norm": (kv_a[:, :width], weight, 1e-6)}
+
+    expected = (q.clone(), kv_a.clone())
+    ref_q, ref_k, options = carve(*expected)
+    ops.apply_rope_.reference(ref_q, ref_k, rotary.cos_sin, positions, **options)
+    q_view, k_view, options = carve(q, kv_a)
+    apply_rope_(q_view, k_view, rotary.cos_sin, positions, **options)
+    for out, ref in zip((q, kv_a), expected, strict=True):
+        assert_close(out, ref)
+
+
 # ---------------------------------------------------------------- GPU, Llama-3-8B sizes, bfloat16
 
 
