@@ -155,6 +155,15 @@ BUGS = [
     Bug("graph contract: replay pads to a power of two, not the bucket", "nano/cuda_graph_runner.py",
         "bs, padded_bs = batch.batch_size, batch_bucket(batch.batch_size)",
         "bs, padded_bs = batch.batch_size, 1 << (batch.batch_size - 1).bit_length()", [GRAPH_CONTRACT]),
+    Bug("moe router: softmax without the row's max taken out (inf / inf past logits of 88)", "nano/moe_kernels.py",
+        "scores = tl.exp(logits - tl.max(logits, 0))", "scores = tl.exp(logits)",
+        ["tests/test_moe_kernels.py::test_route_softmax_survives_logits_past_float32_exp_range"]),
+    Bug("serve: a completion's text decoded without its prompt as context", "nano/serve.py",
+        "Detokenizer(state.tokenizer, [] if chat else s.prompt_ids, stop)", "Detokenizer(state.tokenizer, [], stop)",
+        ["tests/test_server.py::test_a_completion_continues_its_prompts_text_under_a_sentencepiece_tokenizer"]),
+    Bug("serve: a second Ctrl-C left to uvicorn's force quit", "nano/serve.py",
+        "if server.should_exit and sig == signal.SIGINT:", "if False:",
+        ["tests/test_server.py::test_a_stop_finishes_the_request_in_flight_and_a_second_ctrl_c_cuts_it_off"]),
 ]
 
 
