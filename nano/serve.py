@@ -420,8 +420,8 @@ def run(args):
     app = build_app(client, tokenizer, args.served_model_name or model_dir.name, args.api_key)
     server = uvicorn.Server(uvicorn.Config(app, log_level="info", log_config=log_config))
 
-    def handle_exit(sig, frame):  # a second Ctrl-C quits at once: uvicorn's "force quit" cancels every
-        if server.should_exit and sig == signal.SIGINT:  # request left, a traceback each, and kills the engine
+    def handle_exit(sig, frame):  # a second Ctrl-C: kill the engine and quit at once (uvicorn's own
+        if server.should_exit and sig == signal.SIGINT:  # "force quit" cancels each request with a traceback)
             client.worker.kill()
             os._exit(130)
         uvicorn.Server.handle_exit(server, sig, frame)
