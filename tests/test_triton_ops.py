@@ -279,13 +279,7 @@ def test_rope_launch_norms_a_latent_narrower_than_its_block(dtype):
     def carve(q, kv_a):  # q_pe [T, H, 16], k_pe [T, 1, 16] (the row's last 16 channels), the latent's norm
         return q, kv_a[:, width:].unsqueeze(1), {"norm": (kv_a[:, :width], weight, 1e-6)}
 
-    expected = (q.clone(), kv_a.clone())
-    ref_q, ref_k, options = carve(*expected)
-    ops.apply_rope_.reference(ref_q, ref_k, rotary.cos_sin, positions, **options)
-    q_view, k_view, options = carve(q, kv_a)
-    apply_rope_(q_view, k_view, rotary.cos_sin, positions, **options)
-    for out, ref in zip((q, kv_a), expected, strict=True):
-        assert_close(out, ref)
+    check_rope(rotary, (q, kv_a), carve, positions)
 
 
 # ---------------------------------------------------------------- GPU, Llama-3-8B sizes, bfloat16
