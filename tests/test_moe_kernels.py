@@ -70,13 +70,17 @@ def reference_down(h, down, ids, weights):
     return torch.stack(rows).to(h.dtype)
 
 
-def check_route(num_tokens, hidden, num_experts, top_k, num_shared, renormalize, dtype):
+def check_route(num_tokens, hidden, num_experts, top_k, num_shared, renormalize, dtype, logit_shift=0.0):
     """The router's two kernels against torch's float32 matmul, softmax, topk, the weight rule and
     the shared experts appended. Their logits are summed in another order than torch's, so where
     two experts nearly tie either may come first: the chosen experts' torch logits must equal the
-    best ones, in order, and the weights torch's."""
+    best ones, in order, and the weights torch's. logit_shift moves every logit by that much (input
+    channel 0 holds it, weighted 1), the scores staying as far apart."""
     x = randn(num_tokens, hidden + 8, dtype=dtype)[:, :hidden]  # rows of a wider tensor
     gate_weight = randn(num_experts, hidden, dtype=torch.float32) * 3 / hidden**0.5
+    if logit_shift:
+        x[:, 0], gate_weight[:, 0] = logit_shift, 1.0
+        assert (F.linear(x.float(), gate_weight) > logit_shift - 10).all()
     with nan_allocations():
         weights, ids = route(x, gate_weight, top_k, renormalize, routed_scaling=2.5, num_shared=num_shared)
     ref_weights, ref_ids = ops.route.reference(x, gate_weight, top_k, renormalize, 2.5, num_shared)
@@ -174,36 +178,16 @@ def test_fused_moe_matmul(num_tokens, dtype):
 
 
 def test_fused_moe_matmul_accumulates_a_long_k_in_float32():
-    """float16 at DeepSeek-V2-Lite's hidden size (2048, 32 K-steps of 64) and an odd expert width:
-    the sum over K must stay in float32 and be rounded once, as the reference is."""
-    num_tokens, slots, num_experts, inter, hidden = 5, 4, 9, 40, 2048
-    gate_up, down = random_stacks(num_experts, inter, hidden, torch.float16)
-    ids, weights = random_routing(num_tokens, slots, num_experts)
-    config = fused_moe_config(num_tokens, slots - 1, num_experts - 1, num_shared=1)
-    pairs = align_pairs_by_expert(ids, num_experts, config["BLOCK_M"])
-    x = randn(num_tokens, hidden + 8, dtype=torch.float16)[:, :hidden]  # rows of a wider tensor
-    with nan_allocations():
-        out = fused_moe_matmul(x, gate_up, *pairs, config, pairs_per_row=slots)
-    experts, tokens = ids.flatten().tolist(), [p // slots for p in range(ids.numel())]
-    ref = torch.stack([gate_up[:, e].flatten(0, 1).float() @ x[t].float() for e, t in zip(experts, tokens)])
-    assert_close(out, ref.to(torch.float16))
+    """float16 at DeepSeek-V2-Lite's hidden size (2048, 32 K-steps of 64): the sum over K must stay
+    in float32 and be rounded once, as the reference is."""
+    check_fused(5, slots=4, num_experts=9, inter=40, hidden=2048, dtype=torch.float16)
 
 
 @pytest.mark.parametrize("renormalize", [False, True], ids=["scaled", "renormalized"])
 def test_route_softmax_survives_logits_past_float32_exp_range(renormalize):
     """Router logits near 100 (exp overflows float32 past 88): the softmax must subtract the row's
     max first, as torch's does, or every score is inf / inf = NaN."""
-    num_tokens, hidden, num_experts, top_k = 3, 72, 10, 3
-    x = randn(num_tokens, hidden + 8, dtype=torch.float16)[:, :hidden]  # rows of a wider tensor
-    gate_weight = randn(num_experts, hidden, dtype=torch.float32) * 3 / hidden**0.5
-    x[:, 0], gate_weight[:, 0] = 100.0, 1.0  # every logit shifted by 100: the scores themselves stay far apart from 0
-    with nan_allocations():
-        weights, ids = route(x, gate_weight, top_k, renormalize, routed_scaling=2.5, num_shared=1)
-    ref_weights, ref_ids = ops.route.reference(x, gate_weight, top_k, renormalize, 2.5, 1)
-    logits = F.linear(x.float(), gate_weight)
-    assert (logits > 90).all()
-    torch.testing.assert_close(logits.gather(1, ids[:, :top_k]), logits.gather(1, ref_ids[:, :top_k]))
-    torch.testing.assert_close(weights, ref_weights, atol=1e-5, rtol=1e-4)
+    check_route(3, 72, 10, 3, 1, renormalize, torch.float16, logit_shift=100.0)
 
 
 # ---------------------------------------------------------------- GPU, DeepSeek-V2-Lite sizes, bfloat16
