@@ -154,7 +154,8 @@ def test_cpu_free_memory_is_a_containers_limit_not_the_hosts(tmp_path, monkeypat
     v1 = version == "v1"
     folder = tmp_path / "cgroup" / ("memory" if v1 else "") / "slice" / "box"
     folder.mkdir(parents=True)
-    (tmp_path / "self-cgroup").write_text("12:cpu,cpuacct:/slice/box\n4:memory:/slice/box\n1:name=systemd:/\n" if v1 else "0::/slice/box\n")
+    v1_lines = "12:cpu,cpuacct:/slice/box\n4:memory:/slice/box\n1:name=systemd:/\n"
+    (tmp_path / "self-cgroup").write_text(v1_lines if v1 else "0::/slice/box\n")
     (folder / ("memory.limit_in_bytes" if v1 else "memory.max")).write_text(f"{2**30}\n")
     (folder / ("memory.usage_in_bytes" if v1 else "memory.current")).write_text(f"{400 * 2**20}\n")
     (folder / "memory.stat").write_text(f"{'total_inactive_file' if v1 else 'inactive_file'} {100 * 2**20}\n")
