@@ -809,17 +809,16 @@ def in_process_model(tmp_path_factory, smollm2_dir):
     return save_tiny_chat_model(tmp_path_factory.mktemp("models") / "tiny", smollm2_dir)
 
 
-def generate_in_process(capsys, model, prompts, *flags) -> tuple[str, str]:
-    from nano.generate import main
-
+def generate_in_process(model, prompts, *flags) -> tuple[str, str]:
     argv = ["--model", str(model), "--no-chat-template", "--ignore-eos", *flags]
     for prompt in prompts:
         argv += ["--prompt", prompt]
-    main(argv)
-    return capsys.readouterr()
+    result = run_main(*argv)
+    assert result.returncode == 0, result.stderr
+    return result.stdout, result.stderr
 
 
-def test_a_retraction_that_books_two_passes_at_once_prints_every_token(in_process_model, capsys):
+def test_a_retraction_that_books_two_passes_at_once_prints_every_token(in_process_model):
     """generate prints a prompt's block once its last token is in: a retraction (a pool too small for
     both requests) books two passes in one step, so a request can be finished while the loop still
     holds its second-to-last token. Each block must equal what its prompt prints alone."""
@@ -829,9 +828,9 @@ def test_a_retraction_that_books_two_passes_at_once_prints_every_token(in_proces
     prompts, flags = ["hi", "one two three four five"], ("--max-new-tokens", "12", "--max-total-tokens", "26")
     alone = []
     for prompt in prompts:
-        out, _ = generate_in_process(capsys, in_process_model, [prompt], *flags)
+        out, _ = generate_in_process(in_process_model, [prompt], *flags)
         alone.append(out.removesuffix("\n"))
-    out, err = generate_in_process(capsys, in_process_model, prompts, *flags)
+    out, err = generate_in_process(in_process_model, prompts, *flags)
     assert "retraction" in err  # the case under test did happen
     assert out == "".join(f"--- prompt {i + 1} ---\n{text}\n" for i, text in enumerate(alone))
 
@@ -868,24 +867,15 @@ def test_every_sampling_flag_reaches_the_requests(in_process_model, monkeypatch,
         assert (p.temperature, p.top_p, p.top_k, p.max_new_tokens, p.seed, p.ignore_eos) == (0.7, 0.9, 5, 3, 1234, True)
 
 
-def test_the_same_seed_gives_the_same_sampled_text(in_process_model, capsys):
-    from nano.generate import main
-
-    argv = ["--model", str(in_process_model), "--prompt", "hi", "--no-chat-template", "--max-new-tokens", "24",
-            "--temperature", "1.5", "--ignore-eos"]
-    outs = []
-    for seed in ("5", "5", "6"):
-        main([*argv, "--seed", seed])
-        outs.append(capsys.readouterr().out)
+def test_the_same_seed_gives_the_same_sampled_text(in_process_model):
+    flags = ("--max-new-tokens", "24", "--temperature", "1.5")
+    outs = [generate_in_process(in_process_model, ["hi"], *flags, "--seed", seed)[0] for seed in ("5", "5", "6")]
     assert outs[0] == outs[1] != outs[2]
 
 
-def test_a_streamed_completion_ends_with_one_newline(in_process_model, capsys):
+def test_a_streamed_completion_ends_with_one_newline(in_process_model):
     """Else the shell's prompt lands on the completion's last line."""
-    from nano.generate import main
-
-    main(["--model", str(in_process_model), "--prompt", "hi", "--no-chat-template", "--max-new-tokens", "4", "--ignore-eos"])
-    out = capsys.readouterr().out
+    out, _ = generate_in_process(in_process_model, ["hi"], "--max-new-tokens", "4")
     assert out.strip() and out.endswith("\n")  # (this completion's own text does not end with one)
 
 
