@@ -40,8 +40,9 @@ LLAMA_VARIANTS = {
         rope_type="linear", rope_theta=10000.0, factor=2.0)),
     # The families built on Llama's layout, each from its own transformers classes (`family`).
     "qwen2-bias": dict(family="Qwen2", num_attention_heads=4, num_key_value_heads=2),
+    # a large eps, so that a norm built with another eps than the config's shows
     "qwen3-qk-norm-tied": dict(family="Qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                               tie_word_embeddings=True),
+                               tie_word_embeddings=True, rms_norm_eps=0.5),
     "mistral": dict(family="Mistral", num_attention_heads=4, num_key_value_heads=1, head_dim=32),
     # YaRN's ramp between fractional channels: over 32 tokens it ends at channel 2.83, not 3
     "yarn-untruncated": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_parameters=dict(
@@ -61,7 +62,7 @@ def save_tiny_llama(path, variant: str, config_form: str = "v5", seed: int = 0):
     torch.manual_seed(seed)
     args = dict(LLAMA_VARIANTS[variant])
     family = args.pop("family", "Llama")
-    cfg = getattr(transformers, f"{family}Config")(**LLAMA_TINY, **args)
+    cfg = getattr(transformers, f"{family}Config")(**(LLAMA_TINY | args))
     model = getattr(transformers, f"{family}ForCausalLM")(cfg).eval()
     with torch.no_grad():  # HF starts biases at 0 and norms at 1, where a misplaced one would not show
         for name, param in model.named_parameters():
@@ -92,8 +93,10 @@ DEEPSEEK_TINY = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size
             initializer_range=0.2, rope_parameters=DEEPSEEK_YARN)
 DEEPSEEK_VARIANTS = {
     "lite": {},
-    "q-lora-scaled": dict(q_lora_rank=24, routed_scaling_factor=2.5),
+    # the layer norms take the config's large eps, the latent ones keep their 1e-6
+    "q-lora-scaled": dict(q_lora_rank=24, routed_scaling_factor=2.5, rms_norm_eps=0.5),
     "norm-topk": dict(norm_topk_prob=True, routed_scaling_factor=2.5),
+    "top1-norm-topk": dict(norm_topk_prob=True, routed_scaling_factor=2.5, num_experts_per_tok=1),
     # dynamic NTK keeps the default frequencies here, but DeepSeek still scales its softmax by mscale_all_dim
     "dynamic-mscale": dict(rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=4.0,
                                                 mscale_all_dim=0.707)),

@@ -143,8 +143,8 @@ def test_a_template_gets_every_special_token_by_name_as_hf(smollm2_dir, tmp_path
     pad, unk, eot = rng.sample(names, 3)
     template = ("{{ bos_token }}{% for m in messages %}{{ m['role'] + ': ' + m['content'] + eot_token }}{% endfor %}"
                 "{{ pad_token }}|{{ unk_token }}|{{ sep_token }}|{{ add_bos_token }}")
-    config |= {"chat_template": template, "pad_token": {"__type": "AddedToken", "content": pad, "special": True},
-               "unk_token": unk, "eot_token": eot}
+    added = [{"__type": "AddedToken", "content": token, "special": True} for token in (pad, eot)]
+    config |= {"chat_template": template, "pad_token": added[0], "unk_token": unk, "eot_token": added[1]}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     messages = CONVERSATIONS["several turns"]
     expected = AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(messages, tokenize=False,
@@ -201,3 +201,49 @@ def test_a_config_that_lists_its_added_tokens_wins_over_the_special_tokens_map(s
     (tmp_path / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
     hf, tokenizer = AutoTokenizer.from_pretrained(tmp_path), Tokenizer(tmp_path)
     assert tokenizer.eos_token_ids == [hf.convert_tokens_to_ids(hf.eos_token)] == [0]
+
+
+# What HF's apply_chat_template gives a template beyond Jinja's defaults, a feature each.
+TEMPLATE_FEATURES = {
+    # lstrip_blocks: the indentation before a block tag is not written (templates without "-")
+    "lstrip_blocks": ({}, "{% for m in messages %}\n    {% if m['role'] == 'user' %}\nU:{{ m['content'] }}\n"
+                          "    {% endif %}\n{% endfor %}"),
+    "loop controls": ({}, "{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}"
+                          "{% if m['role'] == 'system' %}{% continue %}{% endif %}{{ m['content'] }};{% endfor %}"),
+    # tojson with HF's arguments (Llama-3.1's tools: indent=4), no HTML escaping, keys in the order given
+    "tojson arguments": ({}, "{{ {'b': [1, 2], 'a': '<é>'} | tojson(indent=4) }}{{ {'z': 1, 'y': 2} | tojson }}"
+                             "{{ messages[0]['content'] }}"),
+    # strftime_now (Llama-3.2's date line); a year, so that a run across midnight still matches
+    "strftime_now": ({}, "{{ strftime_now('%Y') }} {{ messages[0]['content'] }}"),
+    # HF passes tools and documents as None: `is not none` is false, where an undefined name's is true
+    "tools and documents are none": ({}, "{% if tools is not none %}TOOLS {% endif %}{% if documents is not none %}"
+                                         "DOCS {% endif %}{{ messages[0]['content'] }}"),
+    # a folder without BOS and EOS: "" in the template, not "None" (HF's undefined also prints "")
+    "no bos or eos": ({"bos_token": None, "eos_token": None},
+                      "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{{ eos_token }}{% endfor %}"),
+}
+
+
+@pytest.mark.parametrize("name", TEMPLATE_FEATURES)
+def test_template_features_render_as_hf(smollm2_dir, tmp_path, name):
+    tokens, template = TEMPLATE_FEATURES[name]
+    shutil.copy(smollm2_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    config = json.loads((smollm2_dir / "tokenizer_config.json").read_text()) | tokens | {"chat_template": template}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    messages = CONVERSATIONS["system and user"]
+    expected = AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(messages, tokenize=False,
+                                                                           add_generation_prompt=True)
+    assert Tokenizer(tmp_path).apply_chat_template(messages) == expected
+
+
+def test_chat_template_jinja_wins_over_the_config(smollm2_dir, tmp_path):
+    """A newer folder keeps its template in chat_template.jinja, which wins over an older one left in
+    the config, as in HF."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_dir / name, tmp_path / name)
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n"
+                                                  "{% endfor %}")
+    messages = CONVERSATIONS["system and user"]
+    expected = AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(messages, tokenize=False)
+    assert Tokenizer(tmp_path).apply_chat_template(messages) == expected
+    assert expected.startswith("[system] ")

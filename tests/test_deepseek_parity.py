@@ -21,12 +21,14 @@ from tests.helpers import (DEEPSEEK_TINY, DEEPSEEK_VARIANTS, assert_matches_hf, 
 
 def renormalise_like_deepseek(monkeypatch):
     """HF 5.24's router drops norm_topk_prob (no released V2 checkpoint sets it); DeepSeek's own
-    code renormalises the top-k weights instead of scaling them. Make HF do the same."""
+    code renormalises the top-k weights instead of scaling them, when k > 1. Make HF do the same."""
     router = transformers.models.deepseek_v2.modeling_deepseek_v2.DeepseekV2TopkRouter
     hf_forward = router.forward
 
     def forward(self, hidden_states):
         logits, weights, ids = hf_forward(self, hidden_states)
+        if self.top_k == 1:  # one expert's weight is scaled, not renormalised to 1
+            return logits, weights, ids
         weights = weights / self.routed_scaling_factor
         return logits, weights / weights.sum(dim=-1, keepdim=True), ids
 

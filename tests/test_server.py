@@ -1157,6 +1157,16 @@ def test_a_prompt_and_max_tokens_that_fill_the_context_exactly_run(server):
     assert status == 400 and reply["error"]["param"] == "max_tokens" and "4096" in reply["error"]["message"], reply
 
 
+def test_an_engine_context_shorter_than_the_models_is_the_one_stated_and_checked(tiny_model):
+    """A KV pool of 256 tokens holds less than the model's 4,096: /v1/models states the engine's context,
+    and a prompt plus max_tokens past it is a 400, not an answer cut short with finish_reason "length"."""
+    with in_process_server(Engine(tiny_model, EngineConfig(max_total_tokens=256, log=False)), None) as (url, _):
+        status, reply = call(url, "/v1/models")
+        assert status == 200 and reply["data"][0]["max_model_len"] == 256, reply
+        status, reply = call(url, "/v1/completions", dict(prompt=[5, 6, 7], max_tokens=300, ignore_eos=True))
+        assert status == 400 and reply["error"]["param"] == "max_tokens", reply
+
+
 def test_tokenize_takes_an_empty_prompt_and_gives_token_ids_back(server, tiny_model):
     """vLLM's /tokenize: "" is no tokens, or BOS alone where the tokenizer adds one (a completion
     refuses it); token ids come back as sent, whatever add_special_tokens says."""

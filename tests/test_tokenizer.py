@@ -98,8 +98,36 @@ def test_bos_added_once(smollm2_dir, tmp_path):
     hf_json.save(str(tmp_path / "tokenizer.json"))
     assert Tokenizer(tmp_path).encode_prompt("Hi there", use_chat_template=False) == plain
     del config["add_bos_token"]  # unset: the post-processor alone decides
+    config["chat_template"] = "{{ bos_token }}" + config["chat_template"]  # as Llama-3's writes BOS itself
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-    assert Tokenizer(tmp_path).encode_prompt("Hi there", use_chat_template=False) == plain
+    tokenizer = Tokenizer(tmp_path)
+    assert tokenizer.encode_prompt("Hi there", use_chat_template=False) == plain
+    # a rendered chat is encoded without the post-processor's BOS, as HF's apply_chat_template does
+    messages = [{"role": "user", "content": QUESTION}]
+    chat = AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(messages, add_generation_prompt=True,
+                                                                       return_dict=True)["input_ids"]
+    assert tokenizer.encode_chat(messages) == chat and chat[:2] == [1, 1]  # the template's BOS, then <|im_start|>
+
+
+def test_vocab_size_counts_added_tokens(smollm2_dir, tmp_path):
+    """Tokens added beside the BPE vocabulary (Llama-3's reserved specials) are ids the tokenizer can
+    produce: the server's check against the model's embedding counts them, as HF's len() does."""
+    shutil.copy(smollm2_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    hf_json = HFTokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert hf_json.add_special_tokens(["<|reserved_0|>", "<|reserved_1|>"]) == 2
+    hf_json.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = Tokenizer(tmp_path)
+    assert tokenizer.vocab_size == len(AutoTokenizer.from_pretrained(tmp_path)) == 49152 + 2
+    assert tokenizer.encode_text("<|reserved_1|>") == [49153]
+
+
+@pytest.mark.parametrize("eos_token_id", [0, [0, 2]])
+def test_generation_config_may_stop_on_token_id_0(smollm2_dir, tmp_path, eos_token_id):
+    """Id 0 is a token like any other: SmolLM2's base models end on <|endoftext|>, id 0."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_dir / name, tmp_path / name)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_token_id}))
+    assert sorted(Tokenizer(tmp_path).eos_token_ids) == [0, 2]  # with the config's <|im_end|>
 
 
 def test_missing_tokenizer_json(tmp_path):
@@ -115,6 +143,8 @@ def test_missing_tokenizer_json(tmp_path):
     ("generation_config.json", {"eos_token_id": True}, "eos_token_id must be an id or a list of ids"),
     ("generation_config.json", {"eos_token_id": [2, -1]}, "eos_token_id must be an id or a list of ids"),
     ("tokenizer_config.json", {"add_bos_token": "false"}, "add_bos_token must be true or false, got 'false'"),
+    ("tokenizer_config.json", {"chat_template": 5}, "chat_template is not a single template string"),
+    ("tokenizer.json", b'{"version": "1.0", "model": ', "tokenizer.json: cannot be read"),  # a cut-off download
 ])
 def test_a_malformed_tokenizer_file_is_one_line(smollm2_dir, tmp_path, file, content, fragment):
     """Each was a traceback (a bytes error, a TypeError), or silently wrong: "2" stopped on nothing, true
@@ -151,6 +181,13 @@ def test_named_chat_templates(smollm2_dir, tmp_path):
     expected = AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(messages, add_generation_prompt=True,
                                                                              tokenize=False)
     assert Tokenizer(tmp_path).apply_chat_template(messages) == expected
+    # without a "default" HF refuses to guess (tools? RAG?), and nano says so in one line
+    config["chat_template"][1]["name"] = "rag"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="no default"):
+        AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(messages, tokenize=False)
+    with pytest.raises(TokenizerError, match=r"names no \"default\" template \(\['rag', 'tool_use'\]\)"):
+        Tokenizer(tmp_path)
 
 
 def test_stream_decoder_after_a_prompt_ending_in_byte_tokens(tmp_path):
