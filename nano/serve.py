@@ -172,11 +172,12 @@ async def generate(http: HTTPRequest, body, prompts: list[list[int]], chat: bool
     streamed, or as one JSON body."""
     state = http.app.state
     client, context = state.client, state.client.context_length
-    max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"  # chat's newer
+    max_tokens = getattr(body, field)
     for ids in prompts:  # OpenAI's API refuses this too (a prompt too long on its own is the engine's to refuse)
         if max_tokens and len(ids) < context < len(ids) + max_tokens:
             raise APIError(400, f"the context holds {context} tokens: {len(ids)} of prompt "
-                           f"and {max_tokens} to generate do not fit", param="max_tokens")
+                           f"and {max_tokens} to generate do not fit", param=field)
     if body.stop and state.tokenizer is None:
         raise APIError(400, "stop strings need a tokenizer; this server has none (see --tokenizer)", param="stop")
     max_new_tokens = 1 if max_tokens == 0 else max_tokens or (context if chat else DEFAULT_COMPLETION_TOKENS)

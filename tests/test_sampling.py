@@ -15,7 +15,7 @@ def test_mixed_batch_respects_each_requests_settings():
     torch.manual_seed(0)
     logits = torch.randn(4, 50) * 3
     top5 = logits[1].topk(5).indices
-    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=5),
+    params = [SamplingParams(), SamplingParams(temperature=1.0, top_k=5),  # the default: greedy
               SamplingParams(temperature=1.0, top_p=1e-6), SamplingParams(temperature=1.0, top_k=1)]
     tokens = draw(logits, params, 300)
     greedy = logits.argmax(-1)
@@ -143,3 +143,8 @@ def test_top_p_stops_where_the_mass_reaches_p_as_hf_does():
     kept = _top_k_top_p(probs, [SamplingParams(temperature=1.0, top_p=0.5)])
     hf = TopPLogitsWarper(0.5)(None, probs.log())
     assert (kept[0] > 0).tolist() == torch.isfinite(hf[0]).tolist() == [True, False, False]
+    # a top-p just under 1, alone in its batch, still drops the tail past it
+    probs = torch.tensor([[0.9, 0.096, 0.004]])
+    kept = _top_k_top_p(probs, [SamplingParams(temperature=1.0, top_p=0.995)])
+    hf = TopPLogitsWarper(0.995)(None, probs.log())
+    assert (kept[0] > 0).tolist() == torch.isfinite(hf[0]).tolist() == [True, True, False]

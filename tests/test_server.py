@@ -184,6 +184,7 @@ BAD_INPUTS = [  # (path, body or raw bytes, status, param)
     ("/v1/completions", {"prompt": [[5]] * 9, "n": 128}, 400, "prompt"),  # 1,152 choices
     ("/v1/completions", {"prompt": ["hi"] * 1025}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 129}, 400, "n"),  # OpenAI's limit, 128, whatever the prompts
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "top_k": -2}, 400, "top_k"),
     ("/v1/completions", {"prompt": "hi", "best_of": 2}, 400, "best_of"),
@@ -220,11 +221,18 @@ BAD_INPUTS = [  # (path, body or raw bytes, status, param)
     ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "model": "gpt-4"}, 404, "model"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
+    # 0 is no budget (`or` would read it as absent and run to the context)
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, 400,
+     "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**6}, 400,
+     "max_completion_tokens"),  # past the context: the field sent is the one named
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, 400,
+     "messages"),  # a text part whose text is no string: a 400, not a 500 from joining it
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
      400, "top_logprobs"),
@@ -242,13 +250,16 @@ def test_off_values_of_missing_features_are_accepted(server):
            "store": False, "metadata": {}, "user": "someone", "suffix": None, "skip_special_tokens": True,
            # vLLM's fields in vLLM's defaults, as its clients may send them: a 400 before
            "spaces_between_special_tokens": True, "stop_token_ids": [], "include_stop_str_in_output": False,
-           "add_generation_prompt": True, "continue_final_message": False}
+           "add_generation_prompt": True, "continue_final_message": False,
+           # OpenAI's fields in their other off values, and vLLM's min_tokens
+           "parallel_tool_calls": False, "service_tier": "default", "min_tokens": 0}
     got, reply = call(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "echo": False, "logprobs": None, **off})
     assert got == 200 and reply["usage"]["completion_tokens"] == 2, reply
     messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "name": "ann", "content": "hi"},
                 {"role": "assistant", "content": None}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
     got, reply = call(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 2, "logprobs": False,
-                                                       "top_logprobs": 0, **off})
+                                                       "top_logprobs": 0, **off,
+                                                       "tool_choice": "auto"})  # no tools: auto is none
     assert got == 200, reply
     for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": messages})):
         for options in ({"include_usage": True, "continuous_usage_stats": False}, {"continuous_usage_stats": None},
@@ -267,6 +278,9 @@ def test_echo_gives_the_prompt_back_as_sent(server):
         choice = reply["choices"][0]
         assert status == 200 and choice["text"].startswith(prompt), choice["text"]
         assert "".join(choice["logprobs"]["tokens"]) == choice["text"]
+    status, reply = call(server, "/v1/completions", dict(prompt=prompt, max_tokens=2, echo=True))  # no logprobs asked
+    choice = reply["choices"][0]
+    assert status == 200 and choice["text"].startswith(prompt) and choice["logprobs"] is None, reply
 
 
 def test_a_request_of_as_many_choices_and_stop_strings_as_allowed_runs(server):
@@ -319,9 +333,21 @@ def test_a_body_with_many_problems_names_three(server):
 
 
 def test_a_request_that_does_not_say_runs_to_eos():
-    """ignore_eos is off unless asked for (vLLM's default), in either API."""
+    """ignore_eos is off unless asked for (vLLM's default), in either API; the other settings
+    left out take OpenAI's defaults: temperature 1 and top_p 1 (no top-k, seed or logprobs)."""
     for request in (CompletionRequest(prompt="hi"), ChatRequest(messages=[{"role": "user", "content": "hi"}])):
-        assert request.sampling_params(random.randint(1, 99)).ignore_eos is False
+        params = request.sampling_params(random.randint(1, 99))
+        assert params.ignore_eos is False
+        assert (params.temperature, params.top_p, params.top_k, params.seed, params.logprobs) == (1, 1, 0, None, None)
+
+
+def test_chat_logprobs_without_top_logprobs_lists_each_chosen_token(server):
+    """OpenAI's chat: logprobs true alone gives every token's logprob, with no alternatives (top_logprobs 0)."""
+    status, reply = call(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                         "max_tokens": 2, "logprobs": True})
+    assert status == 200 and reply["choices"][0]["logprobs"] is not None, reply
+    content = reply["choices"][0]["logprobs"]["content"]
+    assert len(content) == reply["usage"]["completion_tokens"] and all(e["top_logprobs"] == [] for e in content), reply
 
 
 def test_oversized_body_is_refused_with_413(server):
@@ -1645,8 +1671,10 @@ def test_a_completion_continues_its_prompts_text_under_a_sentencepiece_tokenizer
     save_file({**weights, "lm_head.weight": head}, folder / "model.safetensors")
     with in_process_server(Engine(folder, EngineConfig(log=False)), tokenizer) as (url, _):
         status, reply = call(url, "/v1/completions", dict(prompt="a", max_tokens=4, temperature=0))
+        tokenized = call(url, "/tokenize", {"prompt": "a"})[1]  # vLLM's default: with BOS, as a completion reads it
     assert status == 200, reply
     prompt_ids, choice = tokenizer.encode_prompt("a", use_chat_template=False), reply["choices"][0]
+    assert tokenized["tokens"] == prompt_ids and prompt_ids[0] == 1, tokenized  # 1: <s>
     assert set(choice["token_ids"]) <= {a, b} and len(choice["token_ids"]) == 4
     whole = tokenizer.decode(prompt_ids + choice["token_ids"])
     assert choice["text"] == whole[len(tokenizer.decode(prompt_ids)):] and choice["text"].startswith(" ")
