@@ -21,7 +21,12 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 # A config saved on its own (config.save_pretrained, not the model's) has no `architectures`:
 # transformers' Auto classes then go by model_type, and so do we.
 MODEL_TYPES = dict(zip(("llama", "mistral", "qwen2", "qwen3", "deepseek_v2"), SUPPORTED_ARCHITECTURES))
-KV_HEADS_DEFAULT = {"MistralForCausalLM": 8, "Qwen2ForCausalLM": 32, "Qwen3ForCausalLM": 32}  # transformers'
+# A key absent from config.json takes its family's default, as transformers' config classes set them:
+# Llama's (and DeepSeek-V2's), or where Mistral's and Qwen's differ (Mistral's context is 131,072 tokens).
+LLAMA_DEFAULTS = dict(max_position_embeddings=2048, rms_norm_eps=1e-6, num_key_value_heads=None, head_dim=None)
+FAMILY_DEFAULTS = {"MistralForCausalLM": dict(num_key_value_heads=8, max_position_embeddings=131072),
+                   "Qwen2ForCausalLM": dict(num_key_value_heads=32, max_position_embeddings=32768),
+                   "Qwen3ForCausalLM": dict(num_key_value_heads=32, max_position_embeddings=32768, head_dim=128)}
 MAX_SIZE = 2**31 - 1  # no width or count past this is a model (10**30 layers were built for ever)
 
 
@@ -102,6 +107,7 @@ def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
     if arch is None:
         raise ConfigError(f"{source}: unsupported architecture {named!r}; "
                           f"nano supports {', '.join(SUPPORTED_ARCHITECTURES)}")
+    raw = LLAMA_DEFAULTS | FAMILY_DEFAULTS.get(arch, {}) | raw
 
     def need(key):  # a size the model is built from (0 layers or -4 heads crashed later, in a traceback)
         if key not in raw or raw[key] is None:
@@ -111,10 +117,8 @@ def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
     try:
         rope_theta, rope_scaling = _parse_rope(raw, source)
         num_heads, hidden = need("num_attention_heads"), need("hidden_size")
-        # absent, each family's config class sets these two: Mistral's 8 KV heads, Qwen's 32, the others
-        # one a head (null: one a head for all); Qwen3's head_dim 128 (its models' width), the others hidden / heads
-        kv_heads = raw.get("num_key_value_heads", KV_HEADS_DEFAULT.get(arch))
-        head_dim = raw.get("head_dim", 128 if arch == "Qwen3ForCausalLM" else None) or hidden // num_heads
+        # null KV heads: one a head; a null head_dim: hidden / heads
+        kv_heads, head_dim = raw["num_key_value_heads"], raw["head_dim"] or hidden // num_heads
         cfg = ModelConfig(
             architecture=arch,
             vocab_size=need("vocab_size"),
@@ -124,8 +128,8 @@ def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
             num_kv_heads=num_heads if kv_heads is None else _size(source, "num_key_value_heads", kv_heads),
             head_dim=_size(source, "head_dim", head_dim),
             intermediate_size=need("intermediate_size"),
-            rms_norm_eps=_positive(source, "rms_norm_eps", raw.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=_size(source, "max_position_embeddings", raw.get("max_position_embeddings", 2048)),
+            rms_norm_eps=_positive(source, "rms_norm_eps", raw["rms_norm_eps"]),
+            max_position_embeddings=_size(source, "max_position_embeddings", raw["max_position_embeddings"]),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,

@@ -1,6 +1,7 @@
 """The command line end to end: the real default model answers, and bad input ends with one line
 on stderr and exit status 2 (never a traceback), Ctrl-C with exit status 130."""
 
+import argparse
 import importlib
 import json
 import os
@@ -86,6 +87,9 @@ def test_empty_model_folder(tmp_path):
 def test_malformed_config(tiny_model):
     (tiny_model / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "hidden_size": ')
     assert_one_line_error(run_main("--model", str(tiny_model), "--prompt", "hi"), "malformed JSON")
+    for not_an_object in ("[]", "null", '"LlamaForCausalLM"'):
+        (tiny_model / "config.json").write_text(not_an_object)
+        assert_one_line_error(run_main("--model", str(tiny_model), "--prompt", "hi"), "expected a JSON object")
 
 
 def test_unsupported_architecture(tiny_model):
@@ -486,6 +490,7 @@ def test_engine_flags_reach_the_engine_config(seed, monkeypatch):
     config = cli.engine_config(generate.build_parser().parse_args(argv))
     assert (config.use_mla, config.radix_cache, config.overlap) == tuple(not v for v in off.values())
     assert (config.max_total_tokens, config.max_running_requests) == tuple(limits.values())
+    assert config.dtype == torch.float32  # the CPU's default
 
 
 @pytest.mark.parametrize("interpret", ["1", "true", "On", "YES"])  # as Triton reads it
@@ -800,6 +805,41 @@ def test_cuda_graph_max_bs_is_refused_wherever_cuda_graphs_are_off(monkeypatch, 
     argv = ["--prompt", "x", "--device", "cuda", "--dtype", "float32", "--cuda-graph-max-bs", "4", *flags]
     with pytest.raises(cli.UsageError, match="CUDA graphs run only on a GPU"):
         cli.engine_config(generate.build_parser().parse_args(argv))
+
+
+def test_a_gpu_run_takes_the_gpus_defaults_and_refuses_what_it_cannot_run(monkeypatch):
+    """On a GPU (faked as above): bfloat16, Triton and CUDA graphs by default, and Llama-3-8B's shape for a
+    benchmark without a model. A T4 emulates bfloat16 (slowly), so it is refused there; --threads too."""
+    from nano import cli, generate
+
+    monkeypatch.setattr(cli, "parse_device", lambda name: torch.device("cuda"))
+    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: object())  # triton "installed"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    native_bf16 = [True]
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                        lambda including_emulation=True: native_bf16[0] or including_emulation)
+    parse = generate.build_parser().parse_args
+    config = cli.engine_config(parse(["--prompt", "x", "--device", "cuda"]))
+    assert (config.dtype, config.attention_backend, config.cuda_graph) == (torch.bfloat16, "triton", True)
+    with pytest.raises(cli.UsageError, match="--threads sets the CPU's threads"):
+        cli.engine_config(parse(["--prompt", "x", "--device", "cuda", "--threads", "2"]))
+    args = argparse.Namespace(model=None, load_format=None, device="cuda")
+    assert cli.resolve_model_or_shape(args, default_shape=True).name == "llama-3-8b" and args.load_format == "dummy"
+    native_bf16[0] = False
+    with pytest.raises(cli.UsageError, match="Tesla T4 has no bfloat16; use --dtype float16"):
+        cli.engine_config(parse(["--prompt", "x", "--device", "cuda"]))
+    assert cli.engine_config(parse(["--prompt", "x", "--device", "cuda", "--dtype", "float16"])).dtype == torch.float16
+
+
+def test_device_names_torch_takes(monkeypatch):
+    from nano import cli
+
+    assert cli.parse_device("cpu:0") == torch.device("cpu:0")  # the one CPU device, by its index
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert cli.parse_device("cuda:0") == torch.device("cuda:0")
+    with pytest.raises(cli.UsageError, match="--device cuda:1, but there are only 1 CUDA devices"):
+        cli.parse_device("cuda:1")
 
 
 # ---- nano.generate in-process: what it hands the engine and prints -------------------------

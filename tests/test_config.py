@@ -90,6 +90,12 @@ def test_qwen_without_the_sliding_window_key_slides_over_4096(family):
     (dict(num_key_value_heads=0), "num_key_value_heads must be a whole number from 1"),  # read as one a head
     # ran, silently: NaN logits (an empty answer), an EOS that never matches
     (dict(rms_norm_eps=float("nan")), "rms_norm_eps must be a finite number above 0, got nan"),
+    (dict(rms_norm_eps=float("inf")), "rms_norm_eps must be a finite number above 0, got inf"),  # a norm of 0
+    (dict(num_key_value_heads=True), "num_key_value_heads must be a whole number from 1 to 2147483647, got True"),
+    (dict(eos_token_id=[2, True]), "eos_token_id must be a token id or a list of them"),  # true: id 1
+    (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "factor": 2.0}),
+     "unsupported rope scaling type 'longrope'"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0, "beta_fast": "x"}), "bad or missing"),
     (dict(rope_parameters={"rope_type": "default", "rope_theta": 0}), "rope_theta must be a finite number above 0"),
     (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 0}), "rope_scaling.factor must be"),
     (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 4,
@@ -126,14 +132,20 @@ def test_head_dim_absent_takes_the_config_class_default(family):
     assert parse_config(raw).head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
 
 
-@pytest.mark.parametrize("family", ["Llama", "Mistral", "Qwen2", "Qwen3"])
-def test_kv_heads_absent_take_the_config_class_default(family):
+@pytest.mark.parametrize("family", ["Llama", "Mistral", "Qwen2", "Qwen3", "DeepseekV2"])
+def test_keys_absent_take_the_config_class_defaults(family):
     """A config.json without num_key_value_heads: Mistral's config class makes it 8 and Qwen's 32, as
-    their checkpoints' k/v weights are shaped; nano took one per head and refused those weights."""
-    raw = raw_config(family, "v4", num_attention_heads=64, head_dim=2, sliding_window=None)
-    del raw["num_key_value_heads"]
-    hf = getattr(transformers, f"{family}Config").from_dict(raw)
-    assert parse_config(raw).num_kv_heads == hf.num_key_value_heads
+    their checkpoints' k/v weights are shaped; nano took one per head and refused those weights. Without
+    max_position_embeddings, Mistral's context is 131,072 tokens and Qwen's 32,768 (nano took 2,048)."""
+    raw = raw_config(family, "v4", num_attention_heads=64, head_dim=2, sliding_window=None) if family != "DeepseekV2" \
+        else transformers.DeepseekV2Config(**DEEPSEEK_TINY).to_dict() | {"architectures": ["DeepseekV2ForCausalLM"]}
+    for key in ("num_key_value_heads", "max_position_embeddings", "rms_norm_eps"):
+        del raw[key]
+    hf, cfg = getattr(transformers, f"{family}Config").from_dict(raw), parse_config(raw)
+    assert (cfg.max_position_embeddings, cfg.rms_norm_eps) == (hf.max_position_embeddings, hf.rms_norm_eps)
+    if family == "DeepseekV2":  # MLA: one latent KV head
+        return
+    assert cfg.num_kv_heads == hf.num_key_value_heads
     assert parse_config(raw | {"num_key_value_heads": None}).num_kv_heads == 64  # null: one a head, as transformers
 
 
@@ -195,19 +207,25 @@ def test_deepseek_top_k_outside_its_experts_is_one_line(top_k):
     ({"moe_intermediate_size": -5}, "moe_intermediate_size must be a whole number from 0"),
     ({"n_shared_experts": -1}, "n_shared_experts must be a whole number from 0"),
     ({"n_routed_experts": 10**30}, "n_routed_experts must be a whole number"),
+    # V2's later routers, which would load and route another way
+    ({"topk_method": "group_limited_greedy"}, "unsupported DeepSeek router"),
+    ({"scoring_func": "sigmoid"}, "unsupported DeepSeek router"),
 ])
-def test_deepseek_shapes_out_of_range_are_one_line(fields, fragment):
+def test_deepseek_fields_nano_cannot_run_are_one_line(fields, fragment):
     raw = transformers.DeepseekV2Config(**DEEPSEEK_TINY).to_dict() | {"architectures": ["DeepseekV2ForCausalLM"]}
     with pytest.raises(ConfigError, match=fragment):
         parse_config(raw | fields)
 
 
-def test_deepseek_shared_experts_absent_take_transformers_default():
+def test_deepseek_moe_keys_absent_take_transformers_defaults():
     """Absent, transformers runs 2 shared experts (and the checkpoint's weights for them); nano ran
     none and skipped those weights, a different model. Null means none (DeepSeek's code)."""
-    raw = transformers.DeepseekV2Config(**(DEEPSEEK_TINY | {"n_shared_experts": 1})).to_dict()
-    raw = {k: v for k, v in raw.items() if k != "n_shared_experts"} | {"architectures": ["DeepseekV2ForCausalLM"]}
-    assert parse_config(raw).n_shared_experts == transformers.DeepseekV2Config.from_dict(raw).n_shared_experts
+    moe_keys = ("n_shared_experts", "first_k_dense_replace", "norm_topk_prob", "routed_scaling_factor")
+    raw = transformers.DeepseekV2Config(**(DEEPSEEK_TINY | {"n_shared_experts": 1, "first_k_dense_replace": 2,
+                                                            "norm_topk_prob": True, "routed_scaling_factor": 2.5}))
+    raw = {k: v for k, v in raw.to_dict().items() if k not in moe_keys} | {"architectures": ["DeepseekV2ForCausalLM"]}
+    cfg, hf = parse_config(raw), transformers.DeepseekV2Config.from_dict(raw)
+    assert [getattr(cfg, key) for key in moe_keys] == [getattr(hf, key) for key in moe_keys]
     assert parse_config(raw | {"n_shared_experts": None}).n_shared_experts == 0
 
 
@@ -245,6 +263,10 @@ def test_qwen_sliding_window_edges():
     assert transformers.Qwen2Config.from_dict(raw).layer_types[28] == "sliding_attention"
     with pytest.raises(ConfigError, match="sliding_window 64 is shorter"):
         parse_config(raw)
+    # 28 layers slide nowhere, and neither does a config without use_sliding_window (off by default)
+    for off in (raw | {"num_hidden_layers": 28}, {k: v for k, v in raw.items() if k != "use_sliding_window"}):
+        parse_config(off)
+        assert "sliding_attention" not in transformers.Qwen2Config.from_dict(off).layer_types
     parse_config(raw_config("Mistral", "v4", num_attention_heads=4, sliding_window=256))  # the context: 256
 
 
@@ -284,6 +306,8 @@ def test_yarn_stretches_an_unstretched_context():
     assert parse_config(HAND_LLAMA | {"rope_scaling": rope}).max_position_embeddings == 1024
     # one already past original x factor is kept
     assert parse_config(HAND_LLAMA | {"max_position_embeddings": 4096, "rope_scaling": rope}).max_position_embeddings == 4096
+    # a rope_type beside 4.x's `type` wins, as transformers 5 reads it
+    assert parse_config(HAND_LLAMA | {"rope_scaling": {**rope, "type": "linear"}}).max_position_embeddings == 1024
 
 
 def test_a_top_level_original_context_wins_over_the_rope_parameters():
@@ -292,6 +316,9 @@ def test_a_top_level_original_context_wins_over_the_rope_parameters():
     cfg = parse_config(HAND_LLAMA | {"rope_scaling": rope, "original_max_position_embeddings": 128})
     assert cfg.rope_scaling["original_max_position_embeddings"] == 128
     assert cfg.max_position_embeddings == 256  # max(256, 128 x 2)
+    del rope["original_max_position_embeddings"]  # the last resort: the context
+    cfg = parse_config(HAND_LLAMA | {"rope_scaling": rope})
+    assert cfg.rope_scaling["original_max_position_embeddings"] == 256 and cfg.max_position_embeddings == 512
 
 
 def test_deepseek_head_dim_comes_from_mla_not_hidden_over_heads():
@@ -301,12 +328,16 @@ def test_deepseek_head_dim_comes_from_mla_not_hidden_over_heads():
         parse_config(HAND_LLAMA | {"hidden_size": 60})  # Llama's head_dim is hidden / heads: 15
 
 
-def test_deepseek_mlp_bias_is_refused():
+@pytest.mark.parametrize("bias", ["mlp_bias", "attention_bias"])  # transformers' DeepseekV2 reads both
+def test_deepseek_biases_are_refused(bias):
     with pytest.raises(ConfigError, match="attention_bias and mlp_bias"):
-        parse_config(HAND_DEEPSEEK | {"mlp_bias": True})
+        parse_config(HAND_DEEPSEEK | {bias: True})
 
 
 @pytest.mark.parametrize("eos", [-1, [2, -1]])
 def test_a_negative_eos_id_is_refused(eos):
     with pytest.raises(ConfigError, match="eos_token_id must be a token id"):
         parse_config(HAND_LLAMA | {"eos_token_id": eos})
+    # the ends of what the messages promise are taken: id 0, and a size of 2**31 - 1
+    cfg = parse_config(HAND_LLAMA | {"max_position_embeddings": 2**31 - 1, "eos_token_id": 0})
+    assert (cfg.max_position_embeddings, cfg.eos_token_ids) == (2**31 - 1, [0])

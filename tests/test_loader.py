@@ -37,6 +37,7 @@ def test_cast_module_matches_loader_built(tmp_path, save):
     save(tmp_path, "gqa" if save is save_tiny_llama else "lite")
     cfg = load_config(tmp_path)
     loaded = load_model(cfg, tmp_path, "cpu", torch.bfloat16)
+    assert torch.get_default_dtype() == torch.float32  # the loader's bfloat16 default is its own
     cast = load_model(cfg, tmp_path, "cpu", torch.float32).to(torch.bfloat16)
     prompt = random_prompts([40], cfg.vocab_size)[0]
     expected = prefill_logits(loaded, cfg, prompt, torch.bfloat16)
@@ -108,6 +109,11 @@ def test_shards_without_an_index_and_malformed_folders(tmp_path):
     got = prefill_logits(load_model(cfg, tmp_path, "cpu", torch.float32), cfg, prompt, torch.float32)
     with torch.no_grad():
         torch.testing.assert_close(got, hf_model(torch.tensor([prompt])).logits[0, -1], atol=1e-4, rtol=1e-4)
+    index = {"weight_map": {n: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, n in enumerate(names)}}
+    index["weight_map"][names[0]] = "model-00003.safetensors"  # a shard not there
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(WeightError, match="model-00003.safetensors: weight file named in the index is missing"):
+        load_model(cfg, tmp_path, "cpu", torch.float32)
     (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": ["model-00001-of-00002.safetensors"]}')
     with pytest.raises(WeightError, match="malformed index"):
         load_model(cfg, tmp_path, "cpu", torch.float32)
@@ -136,6 +142,7 @@ def test_dummy_weights_follow_the_seed(tmp_path):
     a, b, c = (load_model(cfg, tmp_path, "cpu", torch.float32, "dummy", seed=s).state_dict() for s in (3, 3, 4))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not any(torch.equal(a[k], c[k]) for k in a if a[k].is_floating_point() and "cos_sin" not in k)
+    assert not torch.equal(a["layers.0.mlp.down_proj.weight"], a["layers.1.mlp.down_proj.weight"])  # each its own
 
 
 def test_one_file_wins_over_a_stale_index(tmp_path):
@@ -158,6 +165,16 @@ def test_one_missing_tensor_is_named_alone(tmp_path):
     with pytest.raises(WeightError) as error:
         load_model(load_config(tmp_path), tmp_path, "cpu", torch.float32)
     assert str(error.value).endswith("missing tensor model.norm.weight"), str(error.value)
+    del tensors["lm_head.weight"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(WeightError, match=r"missing tensor lm_head.weight \(and 1 more\)$"):
+        load_model(load_config(tmp_path), tmp_path, "cpu", torch.float32)
+    save_file(tensors, tmp_path / "model.safetensors")
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])  # a download cut off
+    with pytest.raises(WeightError, match="model.safetensors: cannot read weights") as error:
+        load_model(load_config(tmp_path), tmp_path, "cpu", torch.float32)
+    assert "\n" not in str(error.value)
 
 
 def test_model_bytes_counts_parameters_and_buffers(tmp_path):
