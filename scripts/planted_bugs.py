@@ -164,6 +164,12 @@ BUGS = [
     Bug("serve: a second Ctrl-C left to uvicorn's force quit", "nano/serve.py",
         "if server.should_exit and sig == signal.SIGINT:", "if False:",
         ["tests/test_server.py::test_a_stop_finishes_the_request_in_flight_and_a_second_ctrl_c_cuts_it_off"]),
+    Bug("config: an absent context takes Llama's 2,048 in every family (Mistral's is 131,072, Qwen's 32,768)",
+        "nano/config.py", "LLAMA_DEFAULTS | FAMILY_DEFAULTS.get(arch, {}) | raw", "LLAMA_DEFAULTS | raw",
+        ["tests/test_config.py::test_keys_absent_take_the_config_class_defaults"]),
+    Bug("serve: a chat's max_completion_tokens past the context refused as max_tokens", "nano/serve.py",
+        'field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"',
+        'field = "max_tokens"', ["tests/test_server.py::test_bad_input_gets_an_error_and_the_server_goes_on"]),
 ]
 
 
