@@ -1,7 +1,7 @@
 """The command-line plumbing every command shares: flags, model and device resolution, errors.
 
 generate, the benchmarks and the server all build an engine from the same flags. This module
-turns those flags into an `EngineConfig` (engine.py, where every setting's default lives), finds
+turns those flags into an `EngineConfig` (engine.py's defaults; the GPU's are filled in here), finds
 the model folder (fetching the embedded default on first use, or a shipped shape for the
 benchmarks), and runs a command inside `cli`: bad input ends with a one-line `error: ...` and exit
 status 2, Ctrl-C with exit status 130, never with a traceback. It imports only the standard
@@ -43,7 +43,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def add_engine_args(p: argparse.ArgumentParser):
     """Flags of every command that builds an engine: generate, the benchmarks, the server. Their
-    defaults are EngineConfig's."""
+    defaults are EngineConfig's, or the device's (engine_config)."""
     import torch
 
     from nano.engine import CHUNK_SIZES, CPU_THREADS

@@ -174,7 +174,7 @@ class MoE(nn.Module):
           with the pairs, about one expert's bytes each, and an expert several tokens chose (the
           shared ones: all) is read again for each. It pays while the pairs are at most half the
           experts (2 T (k + S) <= E + S; on an H200 at 8 tokens of V2-Lite, 64 pairs of 66 experts,
-          the fused form is 11% faster: BENCHMARKS.md). T is taken as its batch bucket
+          the fused form is the faster: BENCHMARKS.md). T is taken as its batch bucket
           (forward_batch.py), so a batch padded for a graph picks the same form as the same batch
           run eagerly, and the two give the same tokens;
         - "fused" (every larger batch on CUDA, decode and prefill): a grouped matmul kernel

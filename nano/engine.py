@@ -4,14 +4,15 @@ Life of a request:
 1. `add_request` checks it and hands it to the scheduler (scheduler.py), which queues it.
 2. Each `step()` the scheduler picks what runs. A prefill (extend) pass computes the prompts of
    newly admitted requests together (with the prefix cache, radix_cache.py, only the part no
-   earlier request computed); each gets its first token. Otherwise one decode pass runs over every
-   running request: each gets one new slot, the model writes that token's K/V and attends over
-   the request's slots, the sampler picks the next token. Decode passes go through the CUDA-graph
-   runner when there is one.
-3. A request that hits EOS, a stop id or its token budget leaves the batch at once; its tokens and
-   slots go into the prefix cache, its row back to the table, and the next step may admit a waiting
-   request into the room it left. `abort` does the same at once for a request its caller no longer
-   wants (the server's client went away, or a stop string matched), whatever its state.
+   earlier request computed); each whose prompt is now complete gets its first token. Otherwise
+   one decode pass runs over every running request: each gets one new slot, the model writes that
+   token's K/V and attends over the request's slots, the sampler picks the next token. Decode
+   passes go through the CUDA-graph runner when there is one.
+3. A request that hits a stop id (its caller lists EOS among them) or its token budget leaves the
+   batch at once; its tokens and slots go into the prefix cache, its row back to the table, and
+   the next step may admit a waiting request into the room it left. `abort` does the same at once
+   for a request its caller no longer wants (the server's client went away, or a stop string
+   matched), whatever its state.
 Which requests run, and when one must give its room back, is the scheduler's: this module runs
 the passes it asks for.
 
@@ -88,7 +89,7 @@ class EngineConfig:
     # prompt tokens one extend pass computes at most (chunking off: a longer prompt runs alone)
     max_prefill_tokens: int = 16384
     chunked_prefill_size: int | None = None  # 0 or -1: off; None: the device's (CHUNK_SIZES)
-    threads: int | None = None  # CPU: torch's threads; None: CPU_THREADS (see its comment)
+    threads: int | None = None  # CPU: torch's threads; None: OMP_NUM_THREADS if set, else CPU_THREADS
     overlap: bool = True
     tp_size: int = 1
     log: bool = True
@@ -134,7 +135,7 @@ class Engine:
             torch.cuda.set_device(self.device)
         elif config.threads or not os.environ.get("OMP_NUM_THREADS"):  # (torch has taken OMP_NUM_THREADS, if set)
             torch.set_num_threads(config.threads or CPU_THREADS)
-        self.cfg = cfg = load_config(model_dir)
+        self.cfg = cfg = load_config(model_dir)  # the model's config (self.config: the engine's)
         if tp_group is None and config.tp_size > 1:  # rank 0 starts the others, which come here with their group
             tp_group = launch(cfg, config.tp_size, self.device, partial(run_tp_worker, model_dir, config))
         self.tp = tp_group
@@ -272,7 +273,7 @@ class Engine:
                 batch.logit_rows = to_device(logit_rows, torch.int64, self.device)
             logits = self.forward(batch)
             self._prompt_logprobs(chunks, logits, ends)
-        if not (done := self.scheduler.prefilled(chunks)):
+        if not (done := self.scheduler.book_prefill(chunks)):
             return []
         logits = logits[[ends[i] - 1 for i, r in enumerate(reqs) if r in done]]  # each request's last token
         tokens, asked, logprobs = self._sample(done, logits)

@@ -3,17 +3,17 @@
 An engine runs many requests in one pass by packing their tokens into one flat list of T tokens
 (no padding between requests). Two kinds of pass exist:
 - extend (prefill): each request brings `extend_len` new tokens after `prefix_len` tokens that are
-  already in the KV cache (0 for a fresh prompt);
+  already in the KV cache (0 unless the prefix cache or earlier chunks hold some);
 - decode: each of the B requests brings exactly one new token, so T == B.
 Each token carries its position (for rope) and the pool slot its K/V goes to (`out_cache_loc`);
 each request carries its row in `req_to_token` and its length after this pass (`seq_lens`).
 
 Tensors live on the device. The `*_cpu` lists are host copies for code that needs Python ints
-(the torch reference attention, the extend kernel's grid); the decode path never reads them, so a
-CUDA graph can replay it.
+(the torch reference attention, the extend kernel's grid); the Triton decode path never reads
+them, so a CUDA graph can replay it.
 
 This module also holds the contract between a decode pass and the CUDA-graph runner
-(cuda_graph_runner.py), which records a decode pass once per batch size and replays it:
+(cuda_graph_runner.py), which records a decode pass once per batch bucket and replays it:
 - `AttentionBackend`: what the model asks of attention, and what a graph needs from it;
 - `batch_bucket`: the sizes graphs are captured at. A real batch of B requests is padded to
   `batch_bucket(B)` rows before replay. Every choice a pass makes from its batch size (how many

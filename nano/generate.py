@@ -53,8 +53,8 @@ def run(args):
     # the token loop: every token the engine produces, as it comes
     decoders = {r.rid: StreamDecoder(tokenizer, r.prompt_ids) for r in requests}
     texts = {r.rid: [] for r in requests}
-    whole = set()  # requests whose every token is here: one is finished when its last token is
-    # booked, which can be a step before this loop has it (two requests ending together, overlap)
+    whole = set()  # requests whose every token is here: one is finished once its last token is
+    # booked, while this loop may still hold an earlier token of it (one step can book two passes)
     next_to_print = 0
     try:
         for req, token in engine.stream():

@@ -86,7 +86,7 @@ experts have pairs. Buffers and grid take that bound, and unused blocks exit at 
 
 Block sizes (`fused_moe_config`): an expert's weights are read once per block of its pairs, and
 padding rows are wasted work, so BLOCK_M follows a routed expert's average share of the pairs,
-T*k / E, rounded up to a power of two between 16 (the smallest `tl.dot` tile) and 64. For V2-Lite that is
+T*k / E, rounded up to a power of two between 16 (the smallest `tl.dot` tile) and 64. Without shared experts that is
 16 up to 168 tokens (at 160, 15 pairs a routed expert) and 64 from 344 tokens on (prefill), where
 the tensor cores set the pace. A shared expert, though, has a pair for every token, so 16-row
 blocks read its weights T/16 times; the blocks that read the same tile run side by side, so the
@@ -110,7 +110,7 @@ from nano.triton_ops import PDL, dot_precision, launch_dependents, wait_for_inpu
 # The router's logits in float32: a program per chunk of 128 hidden channels and block of 4 tokens,
 # so at batch 1 the 0.5 MB float32 weight (DeepSeek-V2-Lite) is read by 16 programs at once instead
 # of one. A program walks its tokens one after another: 4 rather than 16 took DeepSeek's router
-# from 14.4 to 9.9 us a layer at 160 tokens (scripts/moe_bookkeeping_probe.py). _route_kernel adds
+# from 14.6 to 9.9 us a layer at 160 tokens (scripts/moe_bookkeeping_probe.py). _route_kernel adds
 # the chunks up.
 ROUTER_BLOCK_T, ROUTER_BLOCK_H = 4, 128
 

@@ -3,8 +3,8 @@
 Every step the engine asks it one question: prefill (admit waiting requests, or the next chunk of
 a long prompt) or decode (one token for every running request)? A request moves through explicit
 states: WAITING in the queue -> PREFILLING until its prompt is computed (between steps, only a
-chunked prompt is part-way) -> RUNNING, one token per decode step -> FINISHED (EOS, a stop id, its
-budget, or an abort). A RETRACTED request was admitted and gave its room back; it waits at the
+chunked prompt is part-way) -> RUNNING, one token per decode step -> FINISHED (a stop id such as EOS,
+its budget, or an abort). A RETRACTED request was admitted and gave its room back; it waits at the
 front of the queue with its tokens kept.
 
 Admission is a bet. A request's output length is unknown until it stops, and most stop long
@@ -13,8 +13,8 @@ every request's budget is safe but, for chat traffic, lets only a few requests r
 does, a request is admitted when the pool holds its prompt plus an *estimate* of what it and the
 running requests will still need: `new_token_ratio` x min(remaining budget, 4096) each. The clip
 keeps one huge budget from counting as a pool's worth (it changes the estimate, never when a
-request stops). The ratio starts at 0.7 and decays with every decode step toward 0.1: requests
-that keep stopping early teach the scheduler to admit more.
+request stops). The ratio starts at 0.7 and decays with every decode step toward 0.1: while no
+retraction says the bet was too bold, the scheduler admits more.
 
 A lost bet is paid by a retraction. When a decode step cannot give every running request its next
 slot, requests are taken out of the batch until it can. Which: the one with the fewest generated
@@ -24,7 +24,7 @@ generator; its K/V goes into the prefix cache, so when it is admitted again it r
 what other requests evicted in between, in one prefill over prompt + tokens (vLLM's "preemption
 by recompute", made cheaper by the cache). It goes to the front of the queue, so it cannot
 starve, and the ratio backs off (+0.3): the bet was too bold. The last running request is never
-retracted: alone it always fits, since no request's context exceeds the pool.
+retracted (no request's context exceeds the pool): a prompt part-way through prefill is instead.
 
 Room is counted in slots: free ones plus cached ones that no running request locks (those are
 evicted, least recently used first, when the allocator runs short). A prompt goes into the prefix
@@ -224,7 +224,7 @@ class Scheduler:
         req.prefilled = req.cached_len
         return True
 
-    def prefilled(self, chunks: list[tuple[Request, int]]) -> list[Request]:
+    def book_prefill(self, chunks: list[tuple[Request, int]]) -> list[Request]:
         """Book an extend pass: -> the requests whose prompt is now complete (they sample a token
         and run); a prompt still part-way stays chunked and owes the running requests a decode."""
         for req, n in chunks:

@@ -20,7 +20,7 @@ requests finish, and exit 0 (a second Ctrl-C cuts them off and exits 130). The r
 the engine's client, the tokenizer and the model's name on `app.state`.
 
 A request with several choices (several prompts, or `n`) submits them all at once, so they prefill
-together (`n` samples of 32+ tokens: one computes the prompt, the rest find it cached a step later);
+together (`n` samples of a prompt of 32+ tokens: one computes it, the rest find it cached a step later);
 a stream carries each choice's tokens as they come, one choice per event, named by its index (a chat
 choice opens with its role alone, as OpenAI's). Logprobs come from the engine with each token (sampling.py).
 

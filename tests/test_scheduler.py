@@ -362,7 +362,7 @@ def _book_prefill(sched, chunks):
     with sched.new_slots(sum(n for _, n in chunks)) as slots:
         for (r, n), s in zip(chunks, slots.split([n for _, n in chunks])):
             sched.req_to_token_pool.req_to_token[r.row, r.prefilled : r.prefilled + n] = s
-    return sched.prefilled(chunks)
+    return sched.book_prefill(chunks)
 
 
 def test_the_last_request_admitted_is_cut_to_the_chunk_budget_left():
@@ -626,7 +626,7 @@ def test_a_chunked_prompt_alone_takes_its_chunks_one_step_after_another():
         with sched.new_slots(sum(n for _, n in chunks)) as slots:
             for (r, n), s in zip(chunks, slots.split([n for _, n in chunks])):
                 sched.req_to_token_pool.req_to_token[r.row, r.prefilled : r.prefilled + n] = s
-        return sched.prefilled(chunks)
+        return sched.book_prefill(chunks)
 
     sizes = []
     while req.status is not Status.RUNNING:
