@@ -122,30 +122,25 @@ def test_family_fields():
         parse_config(raw_config("Qwen3", "v5", num_attention_heads=4, attention_bias=True))
 
 
-@pytest.mark.parametrize("family", ["Llama", "Mistral", "Qwen2", "Qwen3"])
-def test_head_dim_absent_takes_the_config_class_default(family):
-    """A config.json without head_dim: transformers' config class for the family fills in its own
-    default (Qwen3's is 128, not hidden / heads), which sizes the weights the model loads."""
-    raw = raw_config(family, "v4", num_attention_heads=4, sliding_window=None)
-    raw.pop("head_dim", None)
-    hf = getattr(transformers, f"{family}Config")(**{k: v for k, v in raw.items() if k != "architectures"})
-    assert parse_config(raw).head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
-
-
 @pytest.mark.parametrize("family", ["Llama", "Mistral", "Qwen2", "Qwen3", "DeepseekV2"])
 def test_keys_absent_take_the_config_class_defaults(family):
-    """A config.json without num_key_value_heads: Mistral's config class makes it 8 and Qwen's 32, as
-    their checkpoints' k/v weights are shaped; nano took one per head and refused those weights. Without
-    max_position_embeddings, Mistral's context is 131,072 tokens and Qwen's 32,768 (nano took 2,048)."""
-    raw = raw_config(family, "v4", num_attention_heads=64, head_dim=2, sliding_window=None) if family != "DeepseekV2" \
-        else transformers.DeepseekV2Config(**DEEPSEEK_TINY).to_dict() | {"architectures": ["DeepseekV2ForCausalLM"]}
-    for key in ("num_key_value_heads", "max_position_embeddings", "rms_norm_eps"):
-        del raw[key]
+    """A config.json without these keys: transformers' config class for the family fills in its own
+    defaults, which size the weights the model loads and its context. Mistral's KV heads are 8 and
+    Qwen's 32 (nano took one per head and refused those weights); Qwen3's head_dim is 128, not hidden /
+    heads; Mistral's context is 131,072 tokens and Qwen's 32,768 (nano took 2,048)."""
+    keys = ["num_key_value_heads", "max_position_embeddings", "rms_norm_eps"]
+    if family == "DeepseekV2":  # MLA: one latent KV head, and a head_dim of its own (a test below)
+        raw = transformers.DeepseekV2Config(**DEEPSEEK_TINY).to_dict() | {"architectures": ["DeepseekV2ForCausalLM"]}
+    else:  # 64 heads: Qwen's 32 KV heads must divide them
+        raw = raw_config(family, "v4", num_attention_heads=64, sliding_window=None) | {"hidden_size": 128}
+        keys.append("head_dim")
+    for key in keys:
+        raw.pop(key, None)
     hf, cfg = getattr(transformers, f"{family}Config").from_dict(raw), parse_config(raw)
     assert (cfg.max_position_embeddings, cfg.rms_norm_eps) == (hf.max_position_embeddings, hf.rms_norm_eps)
-    if family == "DeepseekV2":  # MLA: one latent KV head
+    if family == "DeepseekV2":
         return
-    assert cfg.num_kv_heads == hf.num_key_value_heads
+    assert (cfg.num_kv_heads, cfg.head_dim) == (hf.num_key_value_heads, getattr(hf, "head_dim", None) or 128 // 64)
     assert parse_config(raw | {"num_key_value_heads": None}).num_kv_heads == 64  # null: one a head, as transformers
 
 
