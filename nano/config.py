@@ -26,7 +26,11 @@ MODEL_TYPES = dict(zip(("llama", "mistral", "qwen2", "qwen3", "deepseek_v2"), SU
 LLAMA_DEFAULTS = dict(max_position_embeddings=2048, rms_norm_eps=1e-6, num_key_value_heads=None, head_dim=None)
 FAMILY_DEFAULTS = {"MistralForCausalLM": dict(num_key_value_heads=8, max_position_embeddings=131072),
                    "Qwen2ForCausalLM": dict(num_key_value_heads=32, max_position_embeddings=32768),
-                   "Qwen3ForCausalLM": dict(num_key_value_heads=32, max_position_embeddings=32768, head_dim=128)}
+                   "Qwen3ForCausalLM": dict(num_key_value_heads=32, max_position_embeddings=32768, head_dim=128),
+                   # no MoE keys: no MoE; 2 shared experts, whose weights transformers' model then runs
+                   "DeepseekV2ForCausalLM": dict(n_routed_experts=0, num_experts_per_tok=0, moe_intermediate_size=0,
+                                                 n_shared_experts=2, first_k_dense_replace=0, moe_layer_freq=1,
+                                                 norm_topk_prob=False, routed_scaling_factor=1.0)}
 MAX_SIZE = 2**31 - 1  # no width or count past this is a model (10**30 layers were built for ever)
 
 
@@ -248,14 +252,14 @@ def _parse_deepseek(raw: dict, cfg: ModelConfig, need, source: str) -> None:
     cfg.q_lora_rank = None if rank is None else _size(source, "q_lora_rank", rank)
     for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):  # MLA's shapes
         setattr(cfg, name, need(name))
-    # absent or null: no MoE. n_shared_experts absent: transformers' default, 2, whose model runs the
-    # checkpoint's shared experts (0 would skip them unseen); null: none, as in DeepSeek's own code
-    for name, absent in (("n_routed_experts", 0), ("num_experts_per_tok", 0), ("moe_intermediate_size", 0),
-                         ("n_shared_experts", 2), ("first_k_dense_replace", 0)):
-        setattr(cfg, name, _size(source, name, raw.get(name, absent) or 0, low=0))
-    cfg.moe_layer_freq = _size(source, "moe_layer_freq", raw.get("moe_layer_freq", 1))
-    cfg.norm_topk_prob = bool(raw.get("norm_topk_prob", False))
-    cfg.routed_scaling_factor = _positive(source, "routed_scaling_factor", raw.get("routed_scaling_factor", 1.0))
+    # absent, FAMILY_DEFAULTS' (n_shared_experts 2: 0 would skip the checkpoint's shared experts unseen);
+    # null: none, as in DeepSeek's own code
+    for name in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
+                 "first_k_dense_replace"):
+        setattr(cfg, name, _size(source, name, raw[name] or 0, low=0))
+    cfg.moe_layer_freq = _size(source, "moe_layer_freq", raw["moe_layer_freq"])
+    cfg.norm_topk_prob = bool(raw["norm_topk_prob"])
+    cfg.routed_scaling_factor = _positive(source, "routed_scaling_factor", raw["routed_scaling_factor"])
     # else a MoE layer's top-k picks no expert (only the shared ones run: silently another model) or more than exist
     moe = any(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
     if moe and not 1 <= cfg.num_experts_per_tok <= cfg.n_routed_experts:
