@@ -67,6 +67,59 @@ def test_an_oversubscribed_pool_retracts_and_every_request_gets_its_tokens(tmp_p
     assert 8 + engine.stats["decode_tokens"] == 8 * 80
 
 
+def run_alone(engine, prompt, params, stop_ids):
+    req = engine.add_request(prompt, params, stop_ids)
+    for _ in engine.stream():
+        pass
+    return req.output_ids, engine.logprobs.pop(req.rid, None)
+
+
+@pytest.mark.parametrize("model, seed", [("llama", 4), ("llama", 1), ("deepseek", 2), ("deepseek", 3)])
+def test_random_traffic_gives_every_request_the_tokens_it_gets_alone(tmp_path, model, seed):
+    """The features together, as a server meets them: requests arriving at random steps, a few
+    aborted, most sharing a head (the prefix cache), some long (chunked prefill), greedy or seeded,
+    some asking for logprobs, on a pool too small for them (retractions), overlap on or off. Every
+    request gets the tokens and logprobs it gets alone on a roomy engine (an aborted one a prefix
+    of its tokens), and at the end every slot and row is back."""
+    save, variant, context = MODELS[model]
+    save(tmp_path, variant)
+    rng, vocab = random.Random(seed), LLAMA_TINY["vocab_size"]
+    heads = random_prompts([30, 12], vocab, seed=seed)
+    arrivals = []
+    for i in range(16):
+        length = rng.choice([rng.randrange(1, 30), context // 2])
+        prompt = (rng.choice([*heads, []]) + random_prompts([length], vocab, seed=100 * seed + i)[0])[: context - 2]
+        logprobs = rng.choice([None, None, 0, 2])
+        params = SamplingParams(max_new_tokens=rng.choice([3, 60, 80, 10**6]), temperature=rng.choice([0, 0.9]), seed=i,
+                                logprobs=logprobs, prompt_logprobs=logprobs is not None and rng.random() < 0.5)
+        arrivals.append((rng.randrange(20), prompt, params, set(rng.sample(range(vocab), rng.choice([0, 3])))))
+    arrivals.sort(key=lambda arrival: arrival[0])
+    engine = Engine(tmp_path, EngineConfig(max_total_tokens=context + 40, max_running_requests=8,
+                                           chunked_prefill_size=16, overlap=seed % 2 == 0, log=False))
+    sent, aborted, step = [], set(), 0
+    while arrivals or engine.has_work():
+        while arrivals and arrivals[0][0] <= step:
+            _, *request = arrivals.pop(0)
+            sent.append((engine.add_request(*request), *request))
+        if sent and rng.random() < 0.05 and not (req := rng.choice(sent)[0]).finished:
+            engine.abort(req)
+            aborted.add(req)
+        engine.step()
+        step += 1
+    alone = Engine(tmp_path, EngineConfig(max_total_tokens=4 * context, radix_cache=False, overlap=False, log=False))
+    for req, prompt, params, stop_ids in sent:
+        tokens, logprobs = run_alone(alone, prompt, params, stop_ids)
+        assert req.output_ids == (tokens[: len(req.output_ids)] if req in aborted else tokens)
+        if params.logprobs is not None and req not in aborted:
+            got = engine.logprobs.pop(req.rid)
+            for ours, theirs in ((got.tokens, logprobs.tokens), (got.prompt, logprobs.prompt)):
+                assert [value for value, _ in ours] == pytest.approx([value for value, _ in theirs], abs=1e-4)
+                assert [[i for i, _ in top] for _, top in ours] == [[i for i, _ in top] for _, top in theirs]
+    assert engine.stats["retractions"] > 0 and aborted and not engine.logprobs
+    assert engine.slots.available + engine.prefix_cache.size == context + 40 and engine.prefix_cache.locked_size == 0
+    assert len(engine.req_to_token_pool.free_rows) == 8
+
+
 def test_samples_of_one_prompt_compute_it_once(tmp_path):
     """n samples of one prompt arrive together: the first computes the prompt, which goes into the
     prefix cache as soon as it is prefilled; the others wait a step and compute only its last token.
