@@ -309,6 +309,27 @@ def test_bad_input_gets_an_error_and_the_server_goes_on(server, path, body, stat
     assert got == 200 and reply["usage"]["completion_tokens"] <= 2
 
 
+ODD_VALUES = [None, True, 0, -1, 2**64, 1e30, 0.5, "", "x", [], [0, 1], [[1, 2]], [""], {}, {"a": 1},
+              [{"role": "user"}], [{"role": "user", "content": [{"type": "text"}]}], 49152, [49152]]
+FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
+          "stop", "stream_options", "logprobs", "top_logprobs", "echo", "seed", "presence_penalty", "logit_bias",
+          "user", "suffix", "best_of", "response_format", "tools", "tool_choice", "ignore_eos", "min_tokens", "tokens"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
+def test_every_field_set_to_an_odd_value_gets_an_answer_or_an_openai_error(server, path):
+    """Each field in turn set to each odd value (null, wrong types, numbers past any range, empty or
+    nested lists) in an otherwise good body: a 200 or a 4xx with OpenAI's error body, never a 500."""
+    good = {"/v1/completions": {"prompt": "the cat", "max_tokens": 2}, "/tokenize": {"prompt": "the cat"},
+            "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 2},
+            "/detokenize": {"tokens": [1, 2, 3]}}[path]
+    for field in FIELDS:
+        for value in ODD_VALUES:
+            status, reply = call(server, path, {**good, field: value})
+            assert status == 200 or (400 <= status < 500 and reply["error"]["message"]), (field, value, status, reply)
+    assert call(server, "/v1/completions", {"prompt": "the cat", "max_tokens": 2})[0] == 200
+
+
 def test_a_wrong_method_is_a_405_that_names_the_right_one(server):
     """HTTP's rule: a 405 says in `Allow` which methods the path takes; the body is OpenAI's error JSON."""
     conn = http.client.HTTPConnection(server.removeprefix("http://"), timeout=60)
