@@ -15,7 +15,7 @@ from nano.engine import Engine, EngineConfig
 from nano.kv_cache import ReqToTokenPool, SlotAllocator
 from nano.sampling import SamplingParams
 from nano.scheduler import Request, Scheduler, Status, check_request
-from tests.helpers import LLAMA_TINY, random_prompts, save_tiny_deepseek, save_tiny_llama
+from tests.helpers import LLAMA_TINY, gpu, random_prompts, save_tiny_deepseek, save_tiny_llama
 
 MODELS = {"llama": (save_tiny_llama, "gqa", 256), "deepseek": (save_tiny_deepseek, "lite", 128)}  # save, variant, context
 
@@ -74,8 +74,14 @@ def run_alone(engine, prompt, params, stop_ids):
     return req.output_ids, engine.logprobs.pop(req.rid, None)
 
 
+# On the GPU the traffic runs on the Triton kernels in CUDA graphs, and each request alone on the
+# torch backend, eager, on the same GPU: float32 both, so the kernels must agree to the token.
+GPU_TRAFFIC = dict(device="cuda", attention_backend="triton", cuda_graph=True)
+
+
 @pytest.mark.parametrize("model, seed", [("llama", 4), ("llama", 1), ("deepseek", 2), ("deepseek", 3)])
-def test_random_traffic_gives_every_request_the_tokens_it_gets_alone(tmp_path, model, seed):
+@pytest.mark.parametrize("on", ["cpu", pytest.param("gpu", marks=gpu)])
+def test_random_traffic_gives_every_request_the_tokens_it_gets_alone(tmp_path, model, seed, on):
     """The features together, as a server meets them: requests arriving at random steps, a few
     aborted, most sharing a head (the prefix cache), some long (chunked prefill), greedy or seeded,
     some asking for logprobs, on a pool too small for them (retractions), overlap on or off. Every
@@ -94,8 +100,8 @@ def test_random_traffic_gives_every_request_the_tokens_it_gets_alone(tmp_path, m
                                 logprobs=logprobs, prompt_logprobs=logprobs is not None and rng.random() < 0.5)
         arrivals.append((rng.randrange(20), prompt, params, set(rng.sample(range(vocab), rng.choice([0, 3])))))
     arrivals.sort(key=lambda arrival: arrival[0])
-    engine = Engine(tmp_path, EngineConfig(max_total_tokens=context + 40, max_running_requests=8,
-                                           chunked_prefill_size=16, overlap=seed % 2 == 0, log=False))
+    engine = Engine(tmp_path, EngineConfig(max_total_tokens=context + 40, max_running_requests=8, chunked_prefill_size=16,
+                                           overlap=seed % 2 == 0, log=False, **(GPU_TRAFFIC if on == "gpu" else {})))
     sent, aborted, step = [], set(), 0
     while arrivals or engine.has_work():
         while arrivals and arrivals[0][0] <= step:
@@ -106,7 +112,8 @@ def test_random_traffic_gives_every_request_the_tokens_it_gets_alone(tmp_path, m
             aborted.add(req)
         engine.step()
         step += 1
-    alone = Engine(tmp_path, EngineConfig(max_total_tokens=4 * context, radix_cache=False, overlap=False, log=False))
+    alone = Engine(tmp_path, EngineConfig(device="cuda" if on == "gpu" else "cpu", max_total_tokens=4 * context,
+                                          radix_cache=False, overlap=False, log=False))
     for req, prompt, params, stop_ids in sent:
         tokens, logprobs = run_alone(alone, prompt, params, stop_ids)
         assert req.output_ids == (tokens[: len(req.output_ids)] if req in aborted else tokens)
