@@ -153,6 +153,16 @@ def test_a_template_gets_every_special_token_by_name_as_hf(smollm2_dir, tmp_path
     assert expected.endswith(f"{eot}{pad}|{unk}||")
 
 
+def test_a_config_dict_that_is_no_added_token_is_not_a_template_token(smollm2_dir, tmp_path):
+    """A `*_token` key whose dict is no AddedToken (no "__type", not a standard name) is some other
+    setting: the folder loads, and the template does not get it (HF's special tokens leave it out too)."""
+    shutil.copy(smollm2_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    config = json.loads((smollm2_dir / "tokenizer_config.json").read_text())
+    config |= {"chat_template": "[{{ image_token }}]{{ messages[0]['content'] }}", "image_token": {"content": 49152}}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert Tokenizer(tmp_path).apply_chat_template([{"role": "user", "content": "hi"}]) == "[]hi"
+
+
 def test_a_template_refusing_messages_names_its_reason_as_hf(smollm2_dir, tmp_path):
     """raise_exception's message reaches the client, as HF's apply_chat_template raises it."""
     shutil.copy(smollm2_dir / "tokenizer.json", tmp_path / "tokenizer.json")

@@ -134,6 +134,15 @@ def test_a_request_without_truncation_keeps_its_whole_vocabulary_beside_one_with
     assert torch.equal(kept[0], probs) and (kept[1] > 0).sum() == 5
 
 
+def test_a_top_k_above_the_vocabulary_keeps_every_token():
+    """top_k 10^6 over a 50-token vocabulary (the API takes any int64) is no top-k at all, as vLLM reads
+    it, not an index past the vocabulary's end (a 500)."""
+    torch.manual_seed(0)
+    probs = torch.softmax(torch.randn(2, 50), dim=-1)
+    kept = _top_k_top_p(probs, [SamplingParams(temperature=1.0, top_k=10**6), SamplingParams(temperature=1.0, top_k=5)])
+    assert torch.equal(kept[0], probs[0]) and (kept[1] > 0).sum() == 5
+
+
 def test_top_p_stops_where_the_mass_reaches_p_as_hf_does():
     """Probabilities .5 .25 .25 at top-p .5: the first token's mass reaches p, so it alone is kept
     (HF's TopPLogitsWarper, vLLM alike); `<=` in place of `<` kept the second too."""

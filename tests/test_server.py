@@ -1903,6 +1903,24 @@ def test_a_choice_that_fails_leaves_no_read_of_the_others_pending():
     assert started == [1, 1] and left == []
 
 
+def test_items_that_arrive_together_come_out_by_choice_index():
+    """openai's stream helper wants choice i's first chunk before choice i + 1's: of items that arrive in
+    one turn of the event loop, choice 0's goes out first even when choice 1 put its item in first."""
+    from nano.engine_process import merged
+
+    async def late(item):
+        await asyncio.sleep(0)  # its feeder puts its item after the other's, in the same turn
+        yield item
+
+    async def early(item):
+        yield item
+
+    async def main():
+        return [pair async for pair in merged([late("a"), early("b")])]
+
+    assert asyncio.run(main()) == [(0, "a"), (1, "b")]
+
+
 # ---- the engine loop's stats line, on a fake engine and a fake clock ----
 
 def fake_engine(free, cached, locked, total=1000, decode_tokens=0):
