@@ -336,3 +336,34 @@ def test_a_negative_eos_id_is_refused(eos):
     # the ends of what the messages promise are taken: id 0, and a size of 2**31 - 1
     cfg = parse_config(HAND_LLAMA | {"max_position_embeddings": 2**31 - 1, "eos_token_id": 0})
     assert (cfg.max_position_embeddings, cfg.eos_token_ids) == (2**31 - 1, [0])
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+
+
+def test_llama3_rope_reads_its_original_context_in_transformers_order():
+    """Llama-3.1's rope blends frequencies around its original context (rope.py reads the key): the
+    rope's own value, else a top-level one, else the context (transformers 5.25's order)."""
+    cfg = parse_config(HAND_LLAMA | {"rope_scaling": LLAMA3_ROPE | {"original_max_position_embeddings": 64}})
+    assert cfg.rope_scaling["original_max_position_embeddings"] == 64
+    cfg = parse_config(HAND_LLAMA | {"rope_scaling": LLAMA3_ROPE, "original_max_position_embeddings": 128})
+    assert cfg.rope_scaling["original_max_position_embeddings"] == 128
+    assert parse_config(HAND_LLAMA | {"rope_scaling": LLAMA3_ROPE}).rope_scaling["original_max_position_embeddings"] == 256
+
+
+def test_a_top_level_theta_wins_over_rope_parameters_under_a_hand_added_rope_scaling():
+    """transformers 5 takes a `rope_scaling` whole and sets its theta from the top-level `rope_theta`:
+    that theta, not the one in `rope_parameters`, is the model's; without `rope_scaling` the
+    rope_parameters' theta wins (nano falls back to it for configs with no top-level theta)."""
+    raw = HAND_LLAMA | {"rope_theta": 5e5, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+                        "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    assert parse_config(raw).rope_theta == 5e5
+    assert parse_config({k: v for k, v in raw.items() if k != "rope_scaling"}).rope_theta == 1e6
+
+
+def test_a_folder_named_config_json_is_no_config(tmp_path):
+    """A config.json that is a folder (a bad unpack) is the missing config's one-line error, not an
+    IsADirectoryError traceback."""
+    (tmp_path / "config.json").mkdir()
+    with pytest.raises(ConfigError, match="no config.json"):
+        load_config(tmp_path)

@@ -185,3 +185,37 @@ def test_model_bytes_counts_parameters_and_buffers(tmp_path):
     tensors = [*model.parameters(), *model.buffers()]
     assert len(list(model.buffers())) > 0
     assert model_bytes(cfg, torch.bfloat16, use_mla=True) == sum(t.nbytes for t in tensors)
+
+
+@pytest.mark.parametrize("variant", ["gqa", "gqa4-tied"])
+def test_a_checkpoint_without_its_embedding_is_refused(tmp_path, variant):
+    """The embedding is checked like every other tensor: a checkpoint without it (an untied one that
+    keeps its lm_head, or a tied one with neither name) is a WeightError naming it, not a model run on
+    an embedding of zeros."""
+    save_tiny_llama(tmp_path, variant)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.embed_tokens.weight"]
+    if variant == "gqa4-tied":
+        tensors.pop("lm_head.weight", None)
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(WeightError, match=r"missing tensor model.embed_tokens.weight$"):
+        load_model(load_config(tmp_path), tmp_path, "cpu", torch.float32)
+
+
+def test_each_shard_of_an_index_is_read_once(tmp_path, monkeypatch):
+    """An index names a shard once per tensor in it (hundreds for an 8B model): the loader opens each
+    file once, not once per tensor it holds, which would read the checkpoint hundreds of times over."""
+    from nano import loader
+
+    save_tiny_llama(tmp_path, "gqa")
+    tensors = load_file(tmp_path / "model.safetensors")
+    (tmp_path / "model.safetensors").unlink()
+    names = sorted(tensors)
+    files = {n: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, n in enumerate(names)}
+    for f in set(files.values()):
+        save_file({n: tensors[n] for n in names if files[n] == f}, tmp_path / f)
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": files}))
+    opened, real = [], loader.safe_open
+    monkeypatch.setattr(loader, "safe_open", lambda path, **kw: opened.append(path.name) or real(path, **kw))
+    loader.load_model(load_config(tmp_path), tmp_path, "cpu", torch.float32)
+    assert sorted(opened) == sorted(set(files.values()))

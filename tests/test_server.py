@@ -362,6 +362,18 @@ def test_a_request_that_does_not_say_runs_to_eos():
         assert (params.temperature, params.top_p, params.top_k, params.seed, params.logprobs) == (1, 1, 0, None, None)
 
 
+def test_a_request_without_max_tokens_gets_its_apis_default_length(tiny_model):
+    """Without max_tokens, a completion gets OpenAI's 16 tokens and a chat runs to the context (vLLM's
+    defaults), here a 64-token one; ignore_eos keeps either from stopping early."""
+    engine = Engine(tiny_model, EngineConfig(context_length=64, log=False))
+    with in_process_server(engine, Tokenizer(tiny_model)) as (url, _):
+        _, completion = call(url, "/v1/completions", dict(prompt="hi there", ignore_eos=True))
+        _, chat = call(url, "/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}], ignore_eos=True))
+    assert completion["usage"]["completion_tokens"] == 16
+    assert chat["usage"]["prompt_tokens"] + chat["usage"]["completion_tokens"] == 64
+    assert chat["choices"][0]["finish_reason"] == completion["choices"][0]["finish_reason"] == "length"
+
+
 def test_chat_logprobs_without_top_logprobs_lists_each_chosen_token(server):
     """OpenAI's chat: logprobs true alone gives every token's logprob, with no alternatives (top_logprobs 0)."""
     status, reply = call(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
@@ -428,6 +440,30 @@ def test_api_key_is_required_except_for_health(server):
         assert call(server, "/v1/completions", {"prompt": "hi"}, headers=headers)[0] == 401
     assert call(server, "/health", headers={})[0] == 200
     assert call(server, "/v1/models")[0] == 200
+
+
+@pytest.mark.parametrize("ids", [[-1], [5, -1], [320], [0, 320], [10**6]])
+def test_token_ids_outside_the_vocabulary_are_a_400_naming_the_field(ids):
+    """/detokenize hands its ids to the tokenizer alone (no engine check behind it): without this check
+    -1 makes the tokenizers library raise (a 500), and the vocabulary's size decodes to "" (a 200)."""
+    from nano.serve import checked_ids
+
+    state = SimpleNamespace(client=SimpleNamespace(vocab_size=320))
+    with pytest.raises(APIError) as refused:
+        checked_ids(state, ids, "tokens")
+    assert (refused.value.status, refused.value.param, refused.value.message) == (400, "tokens",
+                                                                                 "token ids must be in [0, 320)")
+    assert checked_ids(state, [0, 319, 7], "tokens") == [0, 319, 7]
+
+
+def test_an_unknown_model_id_is_openais_404(server):
+    """GET /v1/models/{id} of a model the server does not serve: OpenAI's 404 with code model_not_found
+    (the SDK raises NotFoundError on it); the served one's card otherwise."""
+    status, missing = call(server, "/v1/models/gpt-4")
+    assert status == 404 and missing["error"]["code"] == "model_not_found" and missing["error"]["param"] == "model"
+    name = call(server, "/v1/models")[1]["data"][0]["id"]
+    status, card = call(server, "/v1/models/" + name)
+    assert status == 200 and card["id"] == name and card["max_model_len"] == 4096
 
 
 @pytest.mark.parametrize("second_ctrl_c", [False, True], ids=["sigterm", "ctrl-c twice"])
