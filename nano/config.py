@@ -97,6 +97,8 @@ def read_json(path: Path, error: type[Exception] = ConfigError) -> dict:
         data = json.loads(path.read_text(encoding="utf-8"))  # as HF reads it, whatever the locale
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise error(f"{path}: malformed JSON ({e})") from None
+    except OSError as e:  # there but unreadable: permissions, an I/O error
+        raise error(f"{path}: cannot be read ({e.strerror or e})") from None
     if not isinstance(data, dict):
         raise error(f"{path}: expected a JSON object")
     return data

@@ -367,3 +367,16 @@ def test_a_folder_named_config_json_is_no_config(tmp_path):
     (tmp_path / "config.json").mkdir()
     with pytest.raises(ConfigError, match="no config.json"):
         load_config(tmp_path)
+
+
+def test_a_config_that_cannot_be_read_is_one_line(tmp_path, monkeypatch):
+    """A config.json there but unreadable (permissions, an I/O error; root reads any file, so the
+    refusal is planted) is a ConfigError naming the file, which the commands print as one line."""
+    (tmp_path / "config.json").write_text("{}")
+
+    def refuse(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(Path, "read_text", refuse)
+    with pytest.raises(ConfigError, match=r"config.json: cannot be read \(Permission denied\)$"):
+        load_config(tmp_path)
