@@ -266,13 +266,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model, log_path, *flags, timeout=120):
+def start_server(model, log_path, *flags, host="127.0.0.1", timeout=120):
     """`python -m nano.serve` on a free port, waited for until /health answers -> (process, url)."""
     port = free_port()
     log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "nano.serve", "--model", str(model), "--port", str(port), *flags],
-                            stdout=log, stderr=subprocess.STDOUT, env=SERVER_ENV)
-    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "nano.serve", "--model", str(model), "--host", host,
+                             "--port", str(port), *flags], stdout=log, stderr=subprocess.STDOUT, env=SERVER_ENV)
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     deadline = time.time() + timeout
     while time.time() < deadline:
         assert proc.poll() is None, open(log_path).read()

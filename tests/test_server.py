@@ -11,6 +11,7 @@ import queue
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -1380,6 +1381,25 @@ def test_sigterm_to_every_process_of_the_server_finishes_its_requests(tiny_model
         assert proc.wait(timeout=60) == 0, (tmp_path / "server.log").read_text()
     finally:
         proc.kill()
+
+
+def ipv6_loopback() -> bool:
+    try:
+        socket.create_server(("::1", 0), family=socket.AF_INET6).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback on this machine")
+def test_a_server_listens_on_an_ipv6_address(tiny_model, tmp_path):
+    """--host ::1 opens an IPv6 socket (an IPv4 one cannot take that address) and serves there."""
+    proc, url = start_server(tiny_model, tmp_path / "server.log", *SERVER_FLAGS, host="::1")
+    try:
+        assert url.startswith("http://[::1]:") and call(url, "/health")[0] == 200
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0
 
 
 def test_a_server_whose_engine_died_with_requests_unread_still_exits(tiny_model, tmp_path):
