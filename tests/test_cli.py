@@ -135,6 +135,7 @@ def test_misshaped_tensor(tiny_model):
     (["--max-new-tokens", "many"], "max-new-tokens"),
     (["--top-p", "0"], "top-p"),
     (["--mem-fraction", "1.5"], "mem-fraction"),
+    (["--mem-fraction", "1"], "mem-fraction"),  # the whole of the free memory, none left for the activations
     (["--mem-fraction", "nan"], "mem-fraction"),
     (["--temperature", "nan"], "temperature"),
     (["--temperature", "inf"], "temperature"),
@@ -525,14 +526,16 @@ def test_cpu_threads_count_the_cpus_this_process_may_use(affinity, threads):
     assert ("--threads 8: this process may run on 4 CPUs" in result.stderr) == (threads == 2), result.stderr
 
 
-@pytest.mark.parametrize("omp, threads", [("1", 1), (None, 3)])
-def test_omp_num_threads_where_set_is_kept(tmp_path, omp, threads):
+@pytest.mark.parametrize("omp, flag, threads", [("1", None, 1), (None, None, 3), ("1", 2, 2)])
+def test_omp_num_threads_where_set_is_kept(tmp_path, omp, flag, threads):
     """OMP_NUM_THREADS is how a user (and the test servers, helpers.py) gives torch its threads: the engine
-    set its own default over it. Where it is not set, the default stands (half of these 6 CPUs)."""
+    set its own default over it. Where it is not set, the default stands (half of these 6 CPUs); --threads
+    wins over both."""
     save_tiny_llama(tmp_path, "gqa")
     code = ("import os, torch; os.sched_getaffinity = lambda pid: set(range(6))\n"
             "from nano.engine import Engine, EngineConfig\n"
-            f"Engine({str(tmp_path)!r}, EngineConfig(max_total_tokens=64, log=False)); print(torch.get_num_threads())")
+            f"Engine({str(tmp_path)!r}, EngineConfig(max_total_tokens=64, threads={flag}, log=False))\n"
+            "print(torch.get_num_threads())")
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | ({"OMP_NUM_THREADS": omp} if omp else {})
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert result.stdout.split() == [str(threads)], result.stderr

@@ -226,6 +226,21 @@ def test_a_prefill_that_raises_gives_back_the_slots_it_took(tmp_path, failing_pa
     assert engine.generate([[11, 12, 13]], whole_context) == plain.generate([[11, 12, 13]], whole_context)
 
 
+def test_a_prefill_that_raises_ends_every_prompt_it_ran(tmp_path):
+    """Stepped as the server steps (add_request, step), not through generate, whose `finally` aborts
+    its requests anyway: a prefill pass over three prompts raises, and all three end, their rows and
+    slots given back, instead of keeping their rows as prompts part-way for ever."""
+    save_tiny_llama(tmp_path, "gqa")
+    engine = Engine(tmp_path, EngineConfig(max_total_tokens=200, max_running_requests=4, log=False))
+    _fail_pass(engine, 1)
+    for prompt in random_prompts([5, 9, 3], LLAMA_TINY["vocab_size"], seed=3):
+        engine.add_request(prompt, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    with pytest.raises(RuntimeError, match="injected fault"):
+        engine.step()
+    assert len(engine.req_to_token_pool.free_rows) == 4 and not engine.has_work()
+    assert engine.slots.available + engine.prefix_cache.size == 200 and engine.prefix_cache.locked_size == 0
+
+
 @pytest.mark.parametrize("failing_match", [1, 2, 3])  # the first request's admission, the second's, after
 def test_an_admission_that_raises_fails_the_requests_it_took_from_the_queue(tmp_path, failing_match):
     """A fault while schedule_prefill admits (here in the prefix cache's match): the requests it had
