@@ -95,9 +95,12 @@ def test_tensors_read_twice_must_agree_and_every_weight_has_a_place(tmp_path):
         load_model(load_config(tmp_path), tmp_path, "cpu", torch.float32)
 
 
-def test_shards_without_an_index_and_malformed_folders(tmp_path):
-    """transformers reads every *.safetensors of a folder that has no index; a folder with no weights,
-    or an index whose weight_map is not a dict of file names, is one WeightError line."""
+def test_shards_with_or_without_an_index_and_malformed_folders(tmp_path, monkeypatch):
+    """transformers reads every *.safetensors of a folder that has no index; an index names a shard once
+    per tensor in it (hundreds for an 8B model), and each shard is still opened once; a folder with no
+    weights, or an index whose weight_map is not a dict of file names, is one WeightError line."""
+    from nano import loader
+
     hf_model = save_tiny_llama(tmp_path, "gqa")
     tensors = load_file(tmp_path / "model.safetensors")
     (tmp_path / "model.safetensors").unlink()
@@ -110,6 +113,11 @@ def test_shards_without_an_index_and_malformed_folders(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(got, hf_model(torch.tensor([prompt])).logits[0, -1], atol=1e-4, rtol=1e-4)
     index = {"weight_map": {n: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, n in enumerate(names)}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    opened, real = [], loader.safe_open
+    monkeypatch.setattr(loader, "safe_open", lambda path, **kw: opened.append(path.name) or real(path, **kw))
+    load_model(cfg, tmp_path, "cpu", torch.float32)
+    assert sorted(opened) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     index["weight_map"][names[0]] = "model-00003.safetensors"  # a shard not there
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(WeightError, match="model-00003.safetensors: weight file named in the index is missing"):
@@ -200,22 +208,3 @@ def test_a_checkpoint_without_its_embedding_is_refused(tmp_path, variant):
     save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(WeightError, match=r"missing tensor model.embed_tokens.weight$"):
         load_model(load_config(tmp_path), tmp_path, "cpu", torch.float32)
-
-
-def test_each_shard_of_an_index_is_read_once(tmp_path, monkeypatch):
-    """An index names a shard once per tensor in it (hundreds for an 8B model): the loader opens each
-    file once, not once per tensor it holds, which would read the checkpoint hundreds of times over."""
-    from nano import loader
-
-    save_tiny_llama(tmp_path, "gqa")
-    tensors = load_file(tmp_path / "model.safetensors")
-    (tmp_path / "model.safetensors").unlink()
-    names = sorted(tensors)
-    files = {n: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, n in enumerate(names)}
-    for f in set(files.values()):
-        save_file({n: tensors[n] for n in names if files[n] == f}, tmp_path / f)
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": files}))
-    opened, real = [], loader.safe_open
-    monkeypatch.setattr(loader, "safe_open", lambda path, **kw: opened.append(path.name) or real(path, **kw))
-    loader.load_model(load_config(tmp_path), tmp_path, "cpu", torch.float32)
-    assert sorted(opened) == sorted(set(files.values()))
