@@ -224,7 +224,7 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, stop_ids=()) -> Request:
-        """Queue a request (ValueError, one line, if it can never run); with ignore_eos, EOS ids do not stop it."""
+        """Queue a request (ValueError, one line, if it can never run); ignore_eos drops the model's EOS ids."""
         self.scheduler.queue(req := self._request(prompt_ids, params, stop_ids))
         return req
 
@@ -369,8 +369,8 @@ class Engine:
         return self._append_tokens(done.reqs, done.host_tokens.tolist(), done.asked, done.logprobs)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """One forward pass -> logits [B, vocab]: a graph replay when one fits the batch, else the
-        model, eagerly (the same pass a graph recorded)."""
+        """One forward pass -> logits [B, vocab] (or [R, vocab]: batch.logit_rows): a graph replay when
+        one fits the batch, else the model, eagerly (the same pass a graph recorded)."""
         if self.tp is None or self.tp.rank != 0:
             return self._run(batch)
         return self.tp.run_pass(batch, self.req_to_token_pool.req_to_token, self._run)  # on every rank

@@ -198,7 +198,7 @@ class StreamDecoder:
     printed. Give the prompt's ids as context so the first generated token reads right too.
     """
 
-    CONTEXT_TOKENS = 5  # how many printed tokens to re-decode as context: enough for any decoder we know
+    CONTEXT_TOKENS = 5  # prompt tokens the first token decodes after: enough context for any decoder we know
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = ()):
         self._tokenizer = tokenizer

@@ -436,7 +436,7 @@ def _running(sched, rng, prompt_len: int, out_len: int, max_new_tokens: int):
 
 
 def _book_prefill(sched, chunks):
-    """What the engine's _prefill does to the scheduler, without a model: slots for the pass, then prefilled()."""
+    """What the engine's _prefill does to the scheduler, without a model: slots for the pass, then book_prefill()."""
     with sched.new_slots(sum(n for _, n in chunks)) as slots:
         for (r, n), s in zip(chunks, slots.split([n for _, n in chunks])):
             sched.req_to_token_pool.req_to_token[r.row, r.prefilled : r.prefilled + n] = s
