@@ -15,11 +15,11 @@ in flight, and times every streamed token. Per request:
 - E2E latency: request sent to last token.
 Throughput is tokens over the whole run's wall time.
 
-Prompts are token ids (the server needs no tokenizer) from one of three datasets: `random` (lengths
-uniform in [len * ratio, len]: above, inputs of 128-1024 tokens, outputs of 128-512), `shared-prefix`
-(one common prefix, then a unique suffix each: what a prefix cache can save), or a JSONL file with a
-`prompt` (text or token ids) and optional `output_len` per line. `ignore_eos` makes every request
-generate exactly its output length.
+Prompts come from one of three datasets: `random` (token ids, lengths uniform in [len * ratio,
+len]: above, inputs of 128-1024 tokens, outputs of 128-512), `shared-prefix` (token ids: one common
+prefix, then a unique suffix each: what a prefix cache can save), or a JSONL file with a `prompt`
+(token ids, or text for a server with a tokenizer) and optional `output_len` per line. `ignore_eos`
+makes every request generate exactly its output length.
 
 Chat traffic does not say how long its answers will be: a chat client sends no `max_tokens`, the
 server gives the request the whole context, and the answer ends where the model or the user

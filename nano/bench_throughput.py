@@ -9,7 +9,7 @@ continuous batching then decides everything: how many prompts each prefill takes
 the decode batch grows as the KV pool allows, when finished requests make room for waiting ones.
 Output tokens / wall time is the number that says how well that goes.
 
-In the same run it times a peer on the same model shape (random weights too): HF transformers'
+In the same run it times a peer on the same model shape (random weights, always): HF transformers'
 continuous-batching `generate_batch`, on the first `--peer-prompts` requests (it is much slower; on
 a GPU only: on CPU it took 29 s for two requests of 6 tokens).
 It takes one output length for all requests, so it gets the mean of theirs; both sides count

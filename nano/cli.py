@@ -1,9 +1,9 @@
 """The command-line plumbing every command shares: flags, model and device resolution, errors.
 
-generate, the benchmarks and the server all build an engine from the same flags. This module
-turns those flags into an `EngineConfig` (engine.py's defaults; the GPU's are filled in here), finds
-the model folder (fetching the embedded default on first use, or a shipped shape for the
-benchmarks), and runs a command inside `cli`: bad input ends with a one-line `error: ...` and exit
+generate, bench_latency, bench_throughput and the server build an engine from the same flags.
+This module turns those flags into an `EngineConfig` (engine.py's defaults; the GPU's are filled in
+here), finds the model folder (fetching the embedded default on first use, or a shipped shape for
+the benchmarks), and runs a command inside `cli`: bad input ends with a one-line `error: ...` and exit
 status 2, Ctrl-C with exit status 130, never with a traceback. It imports only the standard
 library at its top, so that the seconds spent importing torch happen inside `cli` too.
 """

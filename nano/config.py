@@ -232,7 +232,7 @@ def _parse_rope(raw: dict, source: str) -> tuple[float, dict | None]:
         raise ConfigError(f"partial_rotary_factor {partial} with {rope_type!r} rope is not supported")
     params["rope_type"] = rope_type
     params["factor"] = _positive(source, "rope_scaling.factor", params["factor"])
-    if rope_type == "dynamic":  # kept (not None): DeepSeek scales its softmax by the factor (deepseek.py)
+    if rope_type == "dynamic":  # kept (not None): DeepSeek's softmax scale reads its factor (deepseek.py)
         return theta, params
     if rope_type == "llama3":  # read now: one missing is a config error, not a KeyError while the model is built
         params["low_freq_factor"], params["high_freq_factor"] = (float(params[key]) for key in
