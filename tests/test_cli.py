@@ -476,6 +476,15 @@ def test_help_leaves_out_defaults_that_are_none_or_off():
     assert "(default: 0.85)" in text and "(default: None)" not in text and "(default: False)" not in text
 
 
+def test_generate_samples_as_the_readme_says_by_default():
+    """256 new tokens, greedy, no top-p or top-k (README's flag table): a default cut in half would
+    pass every test that names its own length."""
+    from nano import generate
+
+    args = generate.build_parser().parse_args(["--prompt", "x"])
+    assert (args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed) == (256, 0.0, 1.0, 0, None)
+
+
 @pytest.mark.parametrize("seed", range(6))  # each flag both on and off among them
 def test_engine_flags_reach_the_engine_config(seed, monkeypatch):
     """Each --disable-* flag turns its setting off and only that one; on CPU with the torch backend
@@ -548,11 +557,22 @@ def test_omp_num_threads_where_set_is_kept(tmp_path, omp, flag, threads):
     (["--input-len", "9000", "9000"], "does not fit the context of 8192"),
     (["--output-len", "20", "20", "--max-total-tokens", "25"], "does not fit the context of 25"),  # else cut short
     (["--seed", "-1"], "--seed"),
+    (["--seed", str(2**63)], "--seed in [0, 2^63)"),
+    (["--peer-prompts", "-1"], "--peer-prompts >= 0"),  # else it times all requests but the last
 ])
 def test_bad_throughput_flags(flags, fragment):
     result = run_main("--model", "smollm2-135m", "--device", "cpu", "--num-prompts", "2", "--output-len", "2", "3",
                      *flags, module="nano.bench_throughput")
     assert_one_line_error(result, fragment)
+
+
+def test_bench_throughput_runs_a_request_that_fills_the_context_exactly():
+    """The context check's boundary: 5 + 20 tokens in a context of 25 fit."""
+    result = run_main("--model", "smollm2-135m", "--device", "cpu", "--num-prompts", "1", "--input-len", "5", "5",
+                      "--output-len", "20", "20", "--max-total-tokens", "25", "--peer-prompts", "0",
+                      module="nano.bench_throughput")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("nano: 1 requests, 5 input tokens, 20 output tokens"), result.stdout
 
 
 def test_model_larger_than_memory_fails_at_once(tmp_path):

@@ -1,5 +1,6 @@
 """The fetched default model against HF transformers reading the original GGUF file."""
 
+import json
 import os
 import shutil
 import signal
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from nano import default_model
@@ -60,8 +62,10 @@ def test_logits_match_hf_reading_the_gguf(model, hf_tokenizer, reference):
 
 def test_conversion_matches_hf_reading_the_gguf(gguf_path, hf_tokenizer, reference, tmp_path):
     """smollm2_dir is converted once and then cached, so the tests above never rerun the conversion:
-    run it here, and the folder it writes must load in transformers with the GGUF's logits."""
+    run it here, and the folder it writes must load in transformers with the GGUF's logits, its eps
+    the decimal SmolLM2 was trained with (the GGUF's float32 is 9.99999975e-06)."""
     default_model._convert_gguf(gguf_path, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["rms_norm_eps"] == 1e-05
     converted = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     ids = AutoTokenizer.from_pretrained(tmp_path)(PROMPTS[0], return_tensors="pt")["input_ids"]
     assert ids.tolist() == hf_tokenizer(PROMPTS[0], return_tensors="pt")["input_ids"].tolist()
@@ -169,6 +173,7 @@ def test_fetched_files_are_world_readable(tmp_path, monkeypatch):
     monkeypatch.setattr(default_model, "_convert_gguf", convert_like_safetensors)
     folder = default_model.ensure_default_model()
     assert {oct(f.stat().st_mode & 0o777) for f in folder.iterdir()} == {"0o644"}
+    assert oct(folder.stat().st_mode & 0o777) == "0o755"  # mkdtemp's folder is private
 
 
 def _fake_fetch(monkeypatch, target, convert=None):
@@ -236,10 +241,12 @@ def test_a_target_that_cannot_be_written_is_one_clear_error(tmp_path, monkeypatc
         default_model.ensure_default_model()
 
 
-def test_a_full_disk_is_one_clear_error_and_leaves_nothing(tmp_path, monkeypatch):
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"),  # and safetensors' own, as it says it
+                                   SafetensorError("Error while serializing: IoError(No space left on device)")])
+def test_a_full_disk_is_one_clear_error_and_leaves_nothing(tmp_path, monkeypatch, error):
     def convert_on_a_full_disk(gguf_path, out_dir):
         (out_dir / "config.json").write_text("{}")
-        raise OSError(28, "No space left on device")
+        raise error
 
     _fake_fetch(monkeypatch, tmp_path / "model", convert_on_a_full_disk)
     with pytest.raises(default_model.DefaultModelError, match="No space left on device"):

@@ -43,6 +43,9 @@ def test_rope_bands():
     dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=8192, attention_factor=0.8),
     # mscale without mscale_all_dim: the plain rule, not the ratio DeepSeek's two mscales give
     dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=8192, mscale=0.707),
+    # two mscales that differ (DeepSeek's are equal, a ratio of 1 either way up): mscale's over mscale_all_dim's
+    dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=8192, mscale=1.0,
+         mscale_all_dim=0.707),
 ])
 def test_rope_frequencies_match_transformers(params):
     """The tiny models' ropes leave these edges of transformers' rules unused: compare the frequencies."""

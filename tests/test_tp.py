@@ -623,3 +623,18 @@ def test_an_expert_width_that_does_not_split_is_refused():
     assert shard_config(cfg, 2).moe_intermediate_size == cfg.moe_intermediate_size // 2
     with pytest.raises(ConfigError, match=r"over 2 GPUs: its expert width \(1409\) is not a multiple of 2$"):
         shard_config(replace(cfg, moe_intermediate_size=1409), 2)
+
+
+def test_each_rank_embeds_the_ids_of_its_vocabulary_block_alone():
+    """Rank r holds embedding rows [r * V, (r + 1) * V): the id one past its block is the next rank's
+    (an off-by-one there would index past the table, or sum two ranks' rows)."""
+    from types import SimpleNamespace
+
+    from nano.tp import _embed_vocab_block
+
+    table = torch.randn(4, 3)  # V = 4 rows a rank
+    model, group = SimpleNamespace(embed_tokens=table), SimpleNamespace(all_reduce=lambda x: x)
+    ids = torch.tensor([0, 3, 4, 7, 8])
+    zeros = torch.zeros(1, 3)
+    assert torch.equal(_embed_vocab_block(model, 0, group, ids), torch.cat([table[[0, 3]], zeros, zeros, zeros]))
+    assert torch.equal(_embed_vocab_block(model, 4, group, ids), torch.cat([zeros, zeros, table[[0, 3]], zeros]))
