@@ -56,6 +56,14 @@ LLAMA_VARIANTS = {
 }
 
 
+def randomize_norms_and_biases(model):
+    """HF starts biases at 0 and norms at 1, where a misplaced or ignored one would not show."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("bias", "norm.weight")):
+                param.normal_(1.0 if name.endswith("weight") else 0.0, 0.2)
+
+
 def save_tiny_llama(path, variant: str, config_form: str = "v5", seed: int = 0):
     import transformers
 
@@ -64,10 +72,7 @@ def save_tiny_llama(path, variant: str, config_form: str = "v5", seed: int = 0):
     family = args.pop("family", "Llama")
     cfg = getattr(transformers, f"{family}Config")(**(LLAMA_TINY | args))
     model = getattr(transformers, f"{family}ForCausalLM")(cfg).eval()
-    with torch.no_grad():  # HF starts biases at 0 and norms at 1, where a misplaced one would not show
-        for name, param in model.named_parameters():
-            if name.endswith(("bias", "norm.weight")):
-                param.normal_(1.0 if name.endswith("weight") else 0.0, 0.2)
+    randomize_norms_and_biases(model)
     model.save_pretrained(path)
     if config_form == "v4":  # rewrite the config the way transformers 4.x wrote it
         raw = json.loads((path / "config.json").read_text())
@@ -103,11 +108,13 @@ DEEPSEEK_VARIANTS = {
 }
 
 
-def save_tiny_deepseek(path, variant: str, config_form: str = "v5", seed: int = 0):
+def save_tiny_deepseek(path, variant: str, config_form: str = "v5", seed: int = 0, random_norms: bool = True):
     import transformers
 
     torch.manual_seed(seed)
     model = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(**(DEEPSEEK_TINY | DEEPSEEK_VARIANTS[variant]))).eval()
+    if random_norms:
+        randomize_norms_and_biases(model)
     model.save_pretrained(path)
     if config_form == "v4":  # the hub checkpoints' form: rope_theta on top, rope_scaling keyed `type`
         raw = json.loads((path / "config.json").read_text())

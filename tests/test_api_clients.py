@@ -47,13 +47,26 @@ def hf_logprobs(smollm2_dir):
     return logprobs
 
 
-def assert_top_matches(top_logprobs: list[float], row: torch.Tensor):
-    """The k alternatives' logprobs, likeliest first, are HF's k largest at that position."""
-    expected = row.topk(len(top_logprobs)).values.tolist()
-    assert sorted(top_logprobs, reverse=True) == pytest.approx(expected, abs=1e-3)
+@pytest.fixture(scope="module")
+def hf_token_text(smollm2_dir):
+    """token id -> its text, as HF's tokenizer decodes it alone."""
+    transformers = pytest.importorskip("transformers")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
+    return lambda token: tokenizer.decode([token])
 
 
-def test_openai_chat_logprobs_match_hf(server, hf_logprobs):
+def assert_top_matches(top: list[tuple[str, float]], row: torch.Tensor, token_text):
+    """The k alternatives (text, logprob), likeliest first, are HF's k likeliest tokens at that position,
+    each with its own logprob (a few more of HF's are looked up: a near-tie may swap the k-th)."""
+    values, ids = row.topk(len(top) + 3)
+    expected = {token_text(i): v for i, v in zip(ids.tolist(), values.tolist())}
+    logprobs = [logprob for _, logprob in top]
+    assert logprobs == sorted(logprobs, reverse=True)
+    assert logprobs == pytest.approx(values[: len(top)].tolist(), abs=1e-3)
+    assert all(text in expected and logprob == pytest.approx(expected[text], abs=1e-3) for text, logprob in top), top
+
+
+def test_openai_chat_logprobs_match_hf(server, hf_logprobs, hf_token_text):
     client = openai.OpenAI(base_url=server + "/v1", api_key="none")
     messages = [{"role": "user", "content": "Name a colour."}]
     reply = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0,
@@ -65,12 +78,12 @@ def test_openai_chat_logprobs_match_hf(server, hf_logprobs):
     for k, (entry, token) in enumerate(zip(choice.logprobs.content, choice.token_ids)):
         row = ref[len(prompt) - 1 + k]
         assert abs(entry.logprob - row[token].item()) < 1e-3 and len(entry.top_logprobs) == 5
-        assert_top_matches([alt.logprob for alt in entry.top_logprobs], row)
+        assert_top_matches([(alt.token, alt.logprob) for alt in entry.top_logprobs], row, hf_token_text)
         assert entry.top_logprobs[0].logprob == entry.logprob  # greedy: the likeliest
         assert entry.bytes == list(entry.token.encode())
 
 
-def test_openai_completion_logprobs_and_echo_match_hf(server, hf_logprobs):
+def test_openai_completion_logprobs_and_echo_match_hf(server, hf_logprobs, hf_token_text):
     client = openai.OpenAI(base_url=server + "/v1", api_key="none")
     prompt_text = "The capital of France is"
     prompt = post(server, "/tokenize", {"prompt": prompt_text})["tokens"]
@@ -86,8 +99,8 @@ def test_openai_completion_logprobs_and_echo_match_hf(server, hf_logprobs):
             assert choice.text.startswith(prompt_text) and logprobs.token_logprobs[0] is logprobs.top_logprobs[0] is None
         for i in range(max(first, 1), len(ids)):
             assert abs(logprobs.token_logprobs[i - first] - ref[i - 1, ids[i]].item()) < 1e-3, i
-            top = sorted(logprobs.top_logprobs[i - first].values(), reverse=True)  # the 5 likeliest, and the
-            assert_top_matches(top[:5], ref[i - 1])  # token's own where it is not among them (OpenAI's logprobs + 1)
+            top = sorted(logprobs.top_logprobs[i - first].items(), key=lambda item: -item[1])  # the 5 likeliest, and
+            assert_top_matches(top[:5], ref[i - 1], hf_token_text)  # the token's own if not among them (logprobs + 1)
 
 
 def test_openai_chat_logprob_bytes_spell_the_message(server):
