@@ -42,6 +42,7 @@ def test_cast_module_matches_loader_built(tmp_path, save):
     prompt = random_prompts([40], cfg.vocab_size)[0]
     expected = prefill_logits(loaded, cfg, prompt, torch.bfloat16)
     got = prefill_logits(cast, cfg, prompt, torch.bfloat16)
+    assert got.dtype == expected.dtype == torch.bfloat16  # the model's dtype (a float32 router's would leak)
     # the two differ only by where weights were rounded to bfloat16 (a router rounded by the cast)
     assert ((got - expected).norm() / expected.norm()).item() < 0.05
 
