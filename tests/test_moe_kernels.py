@@ -9,7 +9,9 @@ multiples of the blocks) in float32 and float16; the GPU tests run at DeepSeek-V
 bfloat16.
 """
 
+import contextlib
 import copy
+import os
 
 import pytest
 import torch
@@ -285,3 +287,40 @@ def test_gpu_fused_against_every_expert_on_every_token(num_tokens):
     every_ms = triton.testing.do_bench(every_expert)
     print(f"\nexperts of one layer (shared ones too), {num_tokens} tokens: fused {fused_ms * 1e3:.0f} us, "
           f"every expert on every token {every_ms * 1e3:.0f} us ({every_ms / fused_ms:.1f}x)")
+
+
+@contextlib.contextmanager
+def programs_in_reverse_order():
+    """Triton's interpreter runs a grid's programs one after another in order; a GPU runs them in any
+    order, at once. A kernel whose program writes where a later program's output goes (and is
+    overwritten by it) passes in order: run the grid last program first too."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    original = type(builder).set_grid_idx
+
+    def reversed_idx(self, x, y, z):
+        nx, ny, nz = self.grid_dim
+        original(self, nx - 1 - x, ny - 1 - y, nz - 1 - z)
+
+    type(builder).set_grid_idx = reversed_idx
+    try:
+        yield
+    finally:
+        type(builder).set_grid_idx = original
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="reorders the interpreter's programs")
+@pytest.mark.parametrize("num_tokens", [5, 33])
+@pytest.mark.parametrize("block_m", [4, 16])
+def test_align_pairs_by_expert_writes_only_its_own_run(num_tokens, block_m):
+    """Each expert's program writes its own run, padding and blocks only (the last also the padding past
+    every run): the layout cannot depend on the order the programs run in."""
+    num_experts, top_k = 8, 3
+    ids = random_expert_ids(num_tokens, top_k, num_experts, unused_expert=2)
+    with nan_allocations():
+        in_order = align_pairs_by_expert(ids, num_experts, block_m)
+    with nan_allocations(), programs_in_reverse_order():
+        reversed_ = align_pairs_by_expert(ids, num_experts, block_m)
+    assert in_order[0].tolist() == reversed_[0].tolist()
+    assert in_order[1].tolist() == reversed_[1].tolist()

@@ -388,3 +388,57 @@ def test_gpu_decode_replays_in_cuda_graph(shape):
                                          round_of(full.out_cache_loc, r), "cuda"),
                      round_of(scene.q, r), round_of(scene.k, r), round_of(scene.v, r))
         assert_matches(replayed, part.reference(), TOLERANCE[torch.bfloat16])
+
+
+@interpreted
+@pytest.mark.parametrize("shape", [Shape(6, 2, 64, 64), Shape(2, 2, 192, 128)], ids=str)
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "extend"])
+def test_q_k_v_as_views_of_a_fused_qkv_output(shape, decode):
+    """In model.py q, k and v are [T, heads, D] views of one qkv projection output, so a token's row
+    stride is (H + 2 Hkv) D, not heads * D: the kernels must take the token stride they are given.
+    The channels between the views hold NaN: a row read at heads * D lands in them."""
+    seq_lens, extend_lens = [70, 9, 33], ([1] * 3 if decode else [5, 9, 2])
+    scene = build_scene(shape, torch.float32, "cpu", [n - e for n, e in zip(seq_lens, extend_lens)], extend_lens,
+                        decode, seed=4)
+    parts = [scene.q, scene.k, scene.v]
+    widths = [t.shape[1] * t.shape[2] for t in parts]
+    fused = torch.full((scene.q.shape[0], sum(widths) + 16), float("nan"))  # [T, qkv + a NaN gap]
+    views, at = [], 0
+    for t, w in zip(parts, widths):
+        fused[:, at : at + w] = t.flatten(1)
+        views.append(fused[:, at : at + w].unflatten(-1, t.shape[1:]))
+        at += w
+    scene.q, scene.k, scene.v = views
+    assert scene.q.stride(0) != scene.q.shape[1] * scene.q.stride(1)
+    assert_matches(run_triton(scene, scene.triton_backend()), scene.reference(), TOLERANCE[torch.float32])
+
+
+@interpreted
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "extend"])
+def test_head_width_not_a_power_of_two(decode):
+    """Heads 100 wide (OpenLLaMA-3B): keys 64 + 36 over a 64-lane rope tile, values over 128 lanes of
+    which 28 lie past the head; the lanes past it must be neither written (pool, output) nor
+    mistaken for the rope part's start. check() also holds every other pool slot unchanged."""
+    seq_lens = [300, 1, 40]
+    extend_lens = [1] * 3 if decode else [30, 1, 9]
+    check(Shape(6, 2, 100, 100), torch.float32, "cpu", [n - e for n, e in zip(seq_lens, extend_lens)], extend_lens,
+          decode)
+
+
+@interpreted
+@pytest.mark.parametrize("shape", [Shape(8, 2, 64, 64), Shape(16, 1, 576, 512, mla=True)], ids=str)
+def test_decode_merge_of_splits_whose_log_sum_exp_overflows_exp2(shape):
+    """Every score shifted by +100 (channel 0 of every key is 1, of every query 100 / scale): softmax
+    does not change, but a split's base-2 LSE passes 128, where float32 exp2 overflows; the merge
+    must weigh the splits relative to their largest LSE, as stage 1 does within a split."""
+    seq_lens = [600, 200, 1]
+    scene = build_scene(shape, torch.float32, "cpu", [n - 1 for n in seq_lens], [1] * 3, decode=True, seed=5)
+    cache = scene.pool.k_buffers[1]
+    cache[1:, :, 0] = 1.0  # slot 0 keeps its NaN
+    scene.k[..., 0] = 1.0
+    scene.q[..., 0] = 100.0 / scene.scale
+    backend = scene.triton_backend(max_batch_size=3)
+    backend.init_forward_metadata(scene.batch)
+    assert backend.num_kv_splits[0] > 1
+    # (a query channel of 100 / scale, 2400 for MLA, leaves scores about 5 significant digits in float32)
+    assert_matches(run_triton(scene, backend), scene.reference(), 1e-4)

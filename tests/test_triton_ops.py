@@ -343,3 +343,39 @@ def test_gpu_kernels_started_early_wait_for_their_inputs():
     graph.replay()
     for out, ref in zip(outputs, expected, strict=True):
         assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("eps", [1e-5, 1e-2])  # Llama's, and one far from every other test's 1e-6
+def test_norms_use_the_eps_they_are_given(eps, dtype):
+    """Rows of about 1e-3 (mean square 1e-6): the eps given, not some default, sets the output."""
+    x, residual = 1e-3 * randn(5, 100, dtype=dtype), 1e-3 * randn(5, 100, dtype=dtype)
+    weight = 1 + 0.1 * randn(100, dtype=dtype)
+    with nan_allocations():
+        normed, _ = fused_add_rms_norm(x, residual, weight, eps)
+        alone, _ = fused_add_rms_norm(x, None, weight, eps)
+    assert_close(normed, reference_rms_norm(x + residual, weight, eps))
+    assert_close(alone, reference_rms_norm(x, weight, eps))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rope_launch_norm_uses_its_eps(dtype):
+    """The norm in rope's launch with an eps of 0.5 on rows of unit size: a kernel that drops it moves
+    every output by tens of percent."""
+    num_tokens, num_heads, rope, width = 5, 3, 16, 64
+    rotary = RotaryEmbedding(rope, 64, 10000.0, None).to(DEVICE)
+    q, kv_a = randn(num_tokens, num_heads, rope, dtype=dtype), randn(num_tokens, width + rope, dtype=dtype)
+    weight = 1 + 0.1 * randn(width, dtype=dtype)
+    positions = torch.randint(0, 64, (num_tokens,), device=DEVICE)
+
+    def carve(q, kv_a):
+        return q, kv_a[:, width:].unsqueeze(1), {"norm": (kv_a[:, :width], weight, 0.5)}
+
+    check_rope(rotary, (q, kv_a), carve, positions)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rope_on_heads_whose_half_is_not_a_power_of_two(dtype):
+    """Head dim 100 (OpenLLaMA-3B): halves of 50 in 64-lane tiles. The second half starts at 50, as
+    does sin in the cos/sin row, and lanes 50-63 of a tile belong to the other half."""
+    check_rope_fused_qkv(5, num_heads=6, num_kv_heads=2, head_dim=100, dtype=dtype, scaling=None)
