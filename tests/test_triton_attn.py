@@ -395,14 +395,14 @@ def test_gpu_decode_replays_in_cuda_graph(shape):
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "extend"])
 def test_q_k_v_as_views_of_a_fused_qkv_output(shape, decode):
     """In model.py q, k and v are [T, heads, D] views of one qkv projection output, so a token's row
-    stride is (H + 2 Hkv) D, not heads * D: the kernels must take the token stride they are given.
-    The channels between the views hold NaN: a row read at heads * D lands in them."""
+    stride is (H + 2 Hkv) D, not heads * D: the kernels must take the token stride they are given
+    (a row read at heads * D lands in another view's channels, or in the NaN after the last)."""
     seq_lens, extend_lens = [70, 9, 33], ([1] * 3 if decode else [5, 9, 2])
     scene = build_scene(shape, torch.float32, "cpu", [n - e for n, e in zip(seq_lens, extend_lens)], extend_lens,
                         decode, seed=4)
     parts = [scene.q, scene.k, scene.v]
     widths = [t.shape[1] * t.shape[2] for t in parts]
-    fused = torch.full((scene.q.shape[0], sum(widths) + 16), float("nan"))  # [T, qkv + a NaN gap]
+    fused = torch.full((scene.q.shape[0], sum(widths) + 16), float("nan"))  # [T, q | k | v | NaN]
     views, at = [], 0
     for t, w in zip(parts, widths):
         fused[:, at : at + w] = t.flatten(1)
