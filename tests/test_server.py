@@ -616,6 +616,33 @@ def test_a_request_that_a_failed_step_finished_still_gets_an_answer(tiny_model, 
     assert "Traceback" in (err := capsys.readouterr().err) and "RuntimeError: injected fault" in err
 
 
+def test_a_failed_step_leaves_the_requests_it_did_not_run_queued(tiny_model, capsys):
+    """A step that raises fails what it ran. A request still queued for room (one runs at a time here)
+    held nothing the step touched: it stays queued, and runs in full once the model works again."""
+    from nano.engine_process import _step
+    from nano.sampling import SamplingParams
+
+    engine = Engine(tiny_model, EngineConfig(max_total_tokens=2000, max_running_requests=1, log=False))
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    requests = {0: engine.add_request([1, 2, 3], params)}
+    assert len(_step(engine, requests)) == 1  # request 0 prefilled and running
+    requests[1] = engine.add_request([4, 5, 6], params)
+    real_model = engine.model
+
+    def broken(batch, attn):
+        raise RuntimeError("injected fault")
+
+    engine.model = broken
+    events = dict(_step(engine, requests))  # request 0's next decode pass raises
+    assert set(events) == {0} and events[0].status == 500 and set(requests) == {1}
+    assert "RuntimeError: injected fault" in capsys.readouterr().err
+    engine.model = real_model
+    tokens = []
+    while engine.has_work():
+        tokens += [event for sid, event in _step(engine, requests) if sid == 1]
+    assert [t.finish_reason for t in tokens] == [None, None, None, "length"] and not requests
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the planted death
 def test_an_engine_that_dies_fails_what_it_held_and_what_comes_later(tiny_model, monkeypatch):
     engine = Engine(tiny_model, EngineConfig(max_total_tokens=10000, max_running_requests=8, log=False))
@@ -1583,6 +1610,25 @@ def test_a_body_of_exactly_the_limit_is_read_and_one_byte_more_is_a_413():
     assert refused.value.status == 413
 
 
+def test_a_body_that_opens_with_a_utf8_bom_is_read():
+    """RFC 8259 lets a parser skip a UTF-8 byte order mark, and Python's json and FastAPI's body reader
+    do: a client on Windows that writes one gets its answer, not a 400."""
+    body = '{"prompt": "café"}'.encode("utf-8-sig")
+    assert body.startswith(b"\xef\xbb\xbf")
+    assert asyncio.run(read_json(body_request(body)[0])) == {"prompt": "café"}
+
+
+def test_only_an_echo_asks_the_engine_for_the_prompts_logprobs():
+    """A prompt's logprobs cost a log-softmax over the vocabulary per prompt token, and only an echo shows
+    them: a completion with logprobs but no echo, and any chat, must not ask for them."""
+    def asks(body):
+        return body.sampling_params(4).prompt_logprobs
+
+    assert asks(CompletionRequest(prompt="hi", logprobs=2, echo=True))
+    assert not asks(CompletionRequest(prompt="hi", logprobs=2)) and not asks(CompletionRequest(prompt="hi", echo=True))
+    assert not asks(ChatRequest(messages=[{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=2))
+
+
 def test_a_finished_requests_logprobs_leave_the_engine_and_its_prompts_come_once(tiny_model):
     """_step sends the prompt's logprobs with a request's first token only (not re-sent, pickled,
     every step), and drops the engine's logprobs of a request once its last token is out."""
@@ -1755,6 +1801,36 @@ def test_a_completion_continues_its_prompts_text_under_a_sentencepiece_tokenizer
     assert set(choice["token_ids"]) <= {a, b} and len(choice["token_ids"]) == 4
     whole = tokenizer.decode(prompt_ids + choice["token_ids"])
     assert choice["text"] == whole[len(tokenizer.decode(prompt_ids)):] and choice["text"].startswith(" ")
+
+
+def test_a_chat_answer_starts_a_new_text_under_a_sentencepiece_tokenizer(tmp_path):
+    """A chat answer is a message of its own, not a continuation of the rendered prompt: its first
+    "▁a" or "▁b" reads "a" or "b" (the decoder strips a text's first space, as transformers' decode of
+    the new tokens alone does), where a completion's would read " a" or " b"."""
+    folder = tmp_path / "model"
+    save_tiny_llama(folder, "gqa")
+    save_byte_fallback_tokenizer(folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = Tokenizer(folder)
+    a, b = tokenizer.encode_text("a")[-1], tokenizer.encode_text("b")[-1]  # "▁a", "▁b"
+    weights = load_file(folder / "model.safetensors")
+    head = torch.zeros_like(weights["lm_head.weight"])
+    head[a] = torch.randn(head.shape[1])
+    head[b] = -head[a]  # one of the two wins every step
+    save_file({**weights, "lm_head.weight": head}, folder / "model.safetensors")
+    body = dict(messages=[{"role": "user", "content": "a"}], max_tokens=4, temperature=0)
+    with in_process_server(Engine(folder, EngineConfig(log=False)), tokenizer) as (url, _):
+        status, reply = call(url, "/v1/chat/completions", body)
+        events = asyncio.run(read_stream_once(url, "/v1/chat/completions", body))
+    assert status == 200, reply
+    choice = reply["choices"][0]
+    assert set(choice["token_ids"]) <= {a, b} and len(choice["token_ids"]) == 4
+    text = tokenizer.decode(choice["token_ids"])
+    assert choice["message"]["content"] == text and text[0] in "ab" and text.count(" ") == 3
+    streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e != "[DONE]" and e["choices"])
+    assert streamed == text
 
 
 @pytest.mark.parametrize("num_prompts", [1, 2, 5, 7])
