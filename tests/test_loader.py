@@ -65,7 +65,8 @@ def test_tensors_read_twice_must_agree_and_every_weight_has_a_place(tmp_path):
     """A tied config whose checkpoint also holds an lm_head.weight: equal to the embedding it loads (in
     either order of the files); different, transformers 5 unties the two and vLLM takes the embedding,
     so it is refused, as is a tensor in two files that differ. A weight the model has no place for (a
-    qwen2 model_type's q/k/v biases under Llama's architecture) was skipped, the logits silently wrong."""
+    qwen2 model_type's q/k/v biases under Llama's architecture, or Qwen3's q_norm weight under Llama's) was
+    skipped, the logits silently wrong."""
     import json
 
     hf_model = save_tiny_llama(tmp_path, "gqa4-tied")
@@ -90,9 +91,15 @@ def test_tensors_read_twice_must_agree_and_every_weight_has_a_place(tmp_path):
         load_model(cfg, tmp_path, "cpu", torch.float32)
     save_file({"model.layers.0.self_attn.q_proj.bias": torch.randn(cfg.num_heads * cfg.head_dim)},
               tmp_path / "b.safetensors")
-    config = json.loads((tmp_path / "config.json").read_text()) | {"model_type": "qwen2"}
+    llama_config = (tmp_path / "config.json").read_text()
+    config = json.loads(llama_config) | {"model_type": "qwen2"}
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(WeightError, match="b.safetensors: tensor model.layers.0.self_attn.q_proj.bias has no place"):
+        load_model(load_config(tmp_path), tmp_path, "cpu", torch.float32)
+    (tmp_path / "config.json").write_text(llama_config)
+    name = "model.layers.0.self_attn.q_norm.weight"  # Qwen3's, which a Llama has no place for
+    save_file({name: torch.randn(cfg.head_dim)}, tmp_path / "b.safetensors")
+    with pytest.raises(WeightError, match=f"b.safetensors: tensor {name} has no place"):
         load_model(load_config(tmp_path), tmp_path, "cpu", torch.float32)
 
 
