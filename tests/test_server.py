@@ -1778,13 +1778,14 @@ def test_ignore_eos_runs_past_an_eos_to_max_tokens(tiny_model, path):
     assert ignored["usage"]["completion_tokens"] == 8
 
 
-def test_a_completion_continues_its_prompts_text_under_a_sentencepiece_tokenizer(tmp_path):
-    """A SentencePiece "▁b" reads " b" after a prompt, as the whole text decodes, but "b" at the start
-    of a text (the decoder strips the first space): a completion's tokens are decoded with its prompt's
-    as context. The model is made to answer "▁a" or "▁b" at every step."""
-    folder = tmp_path / "model"
+def a_or_b_model(folder, chat_template: str | None = None) -> tuple[Tokenizer, int, int]:
+    """A tiny Llama with the SentencePiece tokenizer, made to answer "▁a" or "▁b" at every step
+    -> (its tokenizer, the id of "▁a", the id of "▁b")."""
     save_tiny_llama(folder, "gqa")
     save_byte_fallback_tokenizer(folder)
+    if chat_template:
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": chat_template}))
     tokenizer = Tokenizer(folder)
     a, b = tokenizer.encode_text("a")[-1], tokenizer.encode_text("b")[-1]  # "▁a", "▁b"
     weights = load_file(folder / "model.safetensors")
@@ -1792,6 +1793,15 @@ def test_a_completion_continues_its_prompts_text_under_a_sentencepiece_tokenizer
     head[a] = torch.randn(head.shape[1])
     head[b] = -head[a]  # one of the two wins every step
     save_file({**weights, "lm_head.weight": head}, folder / "model.safetensors")
+    return tokenizer, a, b
+
+
+def test_a_completion_continues_its_prompts_text_under_a_sentencepiece_tokenizer(tmp_path):
+    """A SentencePiece "▁b" reads " b" after a prompt, as the whole text decodes, but "b" at the start
+    of a text (the decoder strips the first space): a completion's tokens are decoded with its prompt's
+    as context. The model is made to answer "▁a" or "▁b" at every step."""
+    folder = tmp_path / "model"
+    tokenizer, a, b = a_or_b_model(folder)
     with in_process_server(Engine(folder, EngineConfig(log=False)), tokenizer) as (url, _):
         status, reply = call(url, "/v1/completions", dict(prompt="a", max_tokens=4, temperature=0))
         tokenized = call(url, "/tokenize", {"prompt": "a"})[1]  # vLLM's default: with BOS, as a completion reads it
@@ -1808,18 +1818,7 @@ def test_a_chat_answer_starts_a_new_text_under_a_sentencepiece_tokenizer(tmp_pat
     "▁a" or "▁b" reads "a" or "b" (the decoder strips a text's first space, as transformers' decode of
     the new tokens alone does), where a completion's would read " a" or " b"."""
     folder = tmp_path / "model"
-    save_tiny_llama(folder, "gqa")
-    save_byte_fallback_tokenizer(folder)
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    config["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    tokenizer = Tokenizer(folder)
-    a, b = tokenizer.encode_text("a")[-1], tokenizer.encode_text("b")[-1]  # "▁a", "▁b"
-    weights = load_file(folder / "model.safetensors")
-    head = torch.zeros_like(weights["lm_head.weight"])
-    head[a] = torch.randn(head.shape[1])
-    head[b] = -head[a]  # one of the two wins every step
-    save_file({**weights, "lm_head.weight": head}, folder / "model.safetensors")
+    tokenizer, a, b = a_or_b_model(folder, "{% for m in messages %}{{ m['content'] }}{% endfor %}")
     body = dict(messages=[{"role": "user", "content": "a"}], max_tokens=4, temperature=0)
     with in_process_server(Engine(folder, EngineConfig(log=False)), tokenizer) as (url, _):
         status, reply = call(url, "/v1/chat/completions", body)
