@@ -106,8 +106,8 @@ def test_moe_forms_match_hf(num_tokens):
 def test_bfloat16_on_gpu_matches_hf_float32(tmp_path, monkeypatch, use_mla, backend):
     """The GPU path in bfloat16 against HF in float32, within 10% in norm at every step. Its
     bound was measured on HF's norms at 1: with norm weights drawn around 1, as the float32
-    tests here draw them, bfloat16 drifts past it in all four cases (10.5-13% at the worst step, on an
-    H100 on 2026-12-08). A real bug is off by O(1); the norm weights are held by the float32 tests and
+    tests here draw them, bfloat16 drifts past it in all four cases (on an H100 on 2026-12-08; the
+    three whose figures came back were 10.5-13% off at the worst step). A real bug is off by O(1); the norm weights are held by the float32 tests and
     the Triton kernels' own tests."""
     hf_model = save_tiny_deepseek(tmp_path, "lite", random_norms=False)
     steps = record_logits(monkeypatch)
