@@ -78,8 +78,8 @@ class GenerationRequest(StrictModel):
     ignore_eos: bool = False
     user: str | None = None  # an end user's id: nothing to do with it
 
-    def logprob_params(self) -> dict:
-        """SamplingParams' logprob settings, as this endpoint asks for them."""
+    def logprob_params(self, sample: int = 0) -> dict:
+        """SamplingParams' logprob settings, as this endpoint asks for them of a prompt's `sample`-th choice."""
         raise NotImplementedError
 
     def sampling_params(self, max_new_tokens: int, sample: int = 0) -> SamplingParams:
@@ -87,7 +87,8 @@ class GenerationRequest(StrictModel):
         # s + j, kept in the generators' range [0, 2^63) (a negative seed too)
         seed = None if self.seed is None else (self.seed + sample) % 2**63
         params = SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), seed=seed,
-                                max_new_tokens=max_new_tokens, ignore_eos=self.ignore_eos, **self.logprob_params())
+                                max_new_tokens=max_new_tokens, ignore_eos=self.ignore_eos,
+                                **self.logprob_params(sample))
         try:
             params.validate()
         except ValueError as e:  # its message names the setting first: "top-p must be ..."
@@ -117,8 +118,9 @@ class CompletionRequest(GenerationRequest):
             raise APIError(400, "max_tokens: must be >= 1 (0 only with echo: true)", param="max_tokens")
         return self
 
-    def logprob_params(self) -> dict:
-        return {"logprobs": self.logprobs, "prompt_logprobs": self.echo and self.logprobs is not None}
+    def logprob_params(self, sample: int = 0) -> dict:
+        # the first choice alone computes the prompt's logprobs; the others get a copy (serve.generate)
+        return {"logprobs": self.logprobs, "prompt_logprobs": self.echo and self.logprobs is not None and sample == 0}
 
 
 class ChatMessage(StrictModel):
@@ -156,7 +158,7 @@ class ChatRequest(GenerationRequest):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
-    def logprob_params(self) -> dict:
+    def logprob_params(self, sample: int = 0) -> dict:
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
         return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None}

@@ -193,6 +193,8 @@ async def generate(http: HTTPRequest, body, prompts: list[list[int]], chat: bool
         if firsts is None:
             return Response(status_code=499)  # nobody is listening (nginx's code for it)
         raise firsts[0]
+    for i, first in enumerate(firsts):  # an echo's prompt logprobs, computed by each prompt's first choice alone
+        first.prompt_logprobs = firsts[i - i % body.n].prompt_logprobs
     stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
     # chat output starts a new message; a completion continues its prompt's text
     choices = [_pieces(s, first, Detokenizer(state.tokenizer, [] if chat else s.prompt_ids, stop), client)

@@ -800,6 +800,33 @@ def test_an_echo_with_logprobs_is_built_off_the_event_loop(tiny_model, monkeypat
     assert sorted(built) == [(False, True)] * 3 + [(True, False)] * (3 if stream else 0), built
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_echo_with_n_choices_computes_its_prompt_logprobs_once(tiny_model, stream):
+    """n choices of one prompt share its logprobs: the first choice alone asks the engine for them
+    (a vocabulary-wide log-softmax per prompt token, and a prefill that skips the prefix cache), the
+    others find the prompt in the prefix cache. Every choice still echoes them, equal to n = 1's."""
+    engine = Engine(tiny_model, EngineConfig(max_total_tokens=10000, log=False))
+    asked, add_request = [], engine.add_request
+    engine.add_request = lambda ids, params, stop_ids: (asked.append(params.prompt_logprobs),
+                                                        add_request(ids, params, stop_ids))[1]
+    prompt = random.Random(0).choices(range(4, 200), k=50)  # longer than the scheduler's shared head
+    with in_process_server(engine, Tokenizer(tiny_model)) as (url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        sent = dict(model="tiny", prompt=prompt, max_tokens=2, echo=True, logprobs=2, temperature=1.0, stream=stream)
+        alone = client.completions.create(**sent)
+        asked.clear()
+        reply = client.completions.create(**sent, n=4)
+        firsts = [c for part in (reply if stream else [reply]) for c in part.choices if c.logprobs
+                  and len(c.logprobs.tokens) > 2]
+        alone = next(c for part in (alone if stream else [alone]) for c in part.choices)
+    assert asked == [True, False, False, False], asked
+    assert sorted(c.index for c in firsts) == [0, 1, 2, 3]
+    for choice in firsts:
+        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            assert getattr(choice.logprobs, name)[:len(prompt)] == getattr(alone.logprobs, name)[:len(prompt)], name
+    assert engine.stats["cached_tokens"] >= 3 * (len(prompt) - 1)  # the others skipped the prompt's prefill
+
+
 def test_a_bug_in_a_route_is_an_openai_style_500_and_serving_goes_on(tiny_model, monkeypatch):
     """An exception no route expected (a bug, planted here) reaches the client as OpenAI's error JSON
     with a 500 that names its kind, not Starlette's plain text; the next request is answered."""
