@@ -76,22 +76,15 @@ def _progress(model: CausalLM, what: str) -> tqdm:
                 leave=False, disable=None)
 
 
-def _full_shape(target: torch.Tensor, shard) -> list[int]:
-    """The checkpoint tensor's shape, from the block of it that `target` holds."""
+def _checkpoint_block(target: torch.Tensor, shard) -> tuple[list[int], tuple[slice, ...]]:
+    """The checkpoint tensor of which `target` holds the rank's block -> (its shape, that block's index in it)."""
     shape = list(target.shape)
-    if shard is not None:
-        dim, blocks, _ = shard
-        shape[dim] *= blocks
-    return shape
-
-
-def _block(shard, full_shape: list[int]) -> tuple[slice, ...]:
-    """Index of the rank's block in the checkpoint tensor."""
     if shard is None:
-        return (slice(None),)
+        return shape, (slice(None),)
     dim, blocks, index = shard
-    n = full_shape[dim] // blocks
-    return (slice(None),) * dim + (slice(index * n, (index + 1) * n),)
+    shape[dim] *= blocks
+    n = target.shape[dim]  # the block's width along dim
+    return shape, (slice(None),) * dim + (slice(index * n, (index + 1) * n),)
 
 
 def _fill_random(model: CausalLM, shard_of, seed: int):
@@ -101,17 +94,18 @@ def _fill_random(model: CausalLM, shard_of, seed: int):
     with _progress(model, "random weights") as bar:
         for name, (param, index) in model.checkpoint_layout().items():
             target, shard = param.data[index], shard_of(name)
+            shape, block = _checkpoint_block(target, shard)
             # drawn whole and contiguous, then its block copied in (in place when it is all of a
             # contiguous target): torch draws a strided tensor's values in another order
             in_place = shard is None and target.is_contiguous()
-            full = target if in_place else torch.empty(_full_shape(target, shard), dtype=target.dtype, device=device)
+            full = target if in_place else torch.empty(shape, dtype=target.dtype, device=device)
             gen = torch.Generator(device).manual_seed(seed + zlib.crc32(name.encode()))
             if name.endswith("norm.weight"):
                 full.uniform_(0.9, 1.1, generator=gen)
             else:
                 full.normal_(0, 0.02, generator=gen)
             if not in_place:
-                target.copy_(full[_block(shard, full.shape)])
+                target.copy_(full[block])
             bar.update(target.nbytes)
 
 
@@ -162,11 +156,11 @@ def _load_safetensors(model: CausalLM, model_dir: Path, shard_of):
                             continue
                         param, index = layout[name]
                         target, shard = param.data[index], shard_of(name)
-                        stored, expected = f.get_slice(stored_name), _full_shape(target, shard)
+                        stored, (expected, block) = f.get_slice(stored_name), _checkpoint_block(target, shard)
                         if stored.get_shape() != expected:
                             raise WeightError(f"{path.name}: tensor {stored_name} has shape {stored.get_shape()}, "
                                               f"expected {expected}")
-                        tensor = stored[_block(shard, expected)]  # reads only this rank's block
+                        tensor = stored[block]  # reads only this rank's block
                         tensor = model.prepare_checkpoint_tensor(name, tensor).to(device, target.dtype)
                         if name in loaded:  # a tied lm_head beside its embedding, or a tensor in two files
                             if not torch.equal(target, tensor):

@@ -255,9 +255,7 @@ class Detokenizer:
         if cuts:
             cut, stop = min(cuts, key=lambda c: c[0])  # the first to begin (of two there, the first listed)
             return text[:cut], stop
-        if last:
-            return text, None
-        held = max((stop.matched for stop in self.stop), default=0)  # the longest end that begins one
+        held = 0 if last else max((stop.matched for stop in self.stop), default=0)  # the longest end that begins one
         self.held = text[len(text) - held :]
         return text[: len(text) - held], None
 
