@@ -244,14 +244,24 @@ async def parse(http: HTTPRequest, schema: type[StrictModel], model_name: str):
 
 def sse(data: dict) -> str:
     """One server-sent event of a stream."""
-    return f"data: {json.dumps(data)}\n\n"
+    return f"data: {to_json(data)}\n\n"
 
 
 async def json_answer(content) -> Response:
     """A long answer (a 4 MB prompt's token ids, a prompt's logprobs) is serialized off the event loop:
     FastAPI's own encoder visits every element in Python (0.7 s for 800k ids) while all streams wait."""
-    text = await asyncio.to_thread(json.dumps, content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    text = await asyncio.to_thread(to_json, content, ensure_ascii=False, separators=(",", ":"))
     return Response(text, media_type="application/json")
+
+
+def to_json(data, **options) -> str:
+    """JSON has no NaN or infinity: Python's json would write them anyway, and clients fail to parse
+    them. Only the logprobs of a model whose logits overflowed hold one: the request fails, saying so."""
+    try:
+        return json.dumps(data, allow_nan=False, **options)
+    except ValueError:
+        raise APIError(500, "the model's logprobs are not finite: its logits overflowed (NaN or infinity); "
+                       "a wider --dtype may help") from None
 
 
 async def error_json(_, e: Exception):

@@ -875,6 +875,24 @@ def test_a_failed_step_leaves_no_choice_of_a_request_waiting(tiny_model):
         assert not client.streams and call(url, "/health")[1]["waiting"] == 0
 
 
+def test_logprobs_of_overflowed_logits_fail_the_request_saying_so(tiny_model):
+    """JSON has no NaN: a model whose logits overflowed (float16, say) gave a whole answer an unexplained
+    500 and a stream `NaN` that clients cannot parse. Both get the reason now, as an error; a request
+    that asks for no logprobs still gets its tokens, and the server goes on."""
+    engine = Engine(tiny_model, EngineConfig(max_total_tokens=10000, max_running_requests=8, log=False))
+    real_model, overflow = engine.model, {"on": True}
+    engine.model = lambda batch, attn: real_model(batch, attn) * (float("nan") if overflow["on"] else 1.0)
+    body = dict(prompt=[5, 6, 7], max_tokens=3, logprobs=1)
+    with in_process_server(engine, Tokenizer(tiny_model)) as (url, _):
+        status, reply = call(url, "/v1/completions", body)
+        assert status == 500 and "not finite" in reply["error"]["message"], reply
+        events = asyncio.run(read_stream_once(url, "/v1/completions", body))
+        assert "not finite" in events[-2]["error"]["message"] and events[-1] == "[DONE]", events
+        assert call(url, "/v1/completions", dict(prompt=[5, 6, 7], max_tokens=3))[0] == 200
+        overflow["on"] = False
+        assert call(url, "/v1/completions", body)[0] == 200
+
+
 def test_a_server_without_a_tokenizer_serves_token_ids_and_refuses_text(tiny_model):
     """A shipped shape has no tokenizer: token ids in, token ids out (vLLM's "token_id:N" for their
     text), and what needs text is a 400 that says why."""
