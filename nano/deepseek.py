@@ -168,15 +168,15 @@ class MoE(nn.Module):
     def form(self, num_tokens: int, on_cuda: bool) -> str:
         """Which of three forms of the same sum runs, chosen from the number of tokens (a shape,
         never a value), so a CUDA graph can capture it:
-        - "matvec" (small decode batches, on CUDA): two fused kernels (moe_kernels.py) run each
-          (token, expert) pair as a matrix-vector product, reading that expert's weights in place,
-          with SiLU-and-mul and the weighted sum over a token's experts inside them. Its cost grows
-          with the pairs, about one expert's bytes each, and an expert several tokens chose (the
-          shared ones: all) is read again for each. It pays while the pairs are at most half the
-          experts (2 T (k + S) <= E + S; on an H200 at 8 tokens of V2-Lite, 64 pairs of 66 experts,
-          the fused form is the faster: BENCHMARKS.md). T is taken as its batch bucket
-          (forward_batch.py), so a batch padded for a graph picks the same form as the same batch
-          run eagerly, and the two give the same tokens;
+        - "matvec" (small batches on CUDA: decode, or a prompt of a few tokens): two fused kernels
+          (moe_kernels.py) run each (token, expert) pair as a matrix-vector product, reading that
+          expert's weights in place, with SiLU-and-mul and the weighted sum over a token's experts
+          inside them. Its cost grows with the pairs, about one expert's bytes each, and an expert
+          several tokens chose (the shared ones: all) is read again for each. It pays while the pairs
+          are at most half the experts (2 T (k + S) <= E + S; on an H200 at 8 tokens of V2-Lite, 64
+          pairs of 66 experts, the fused form is the faster: BENCHMARKS.md). T is taken as its batch
+          bucket (forward_batch.py), so a batch padded for a graph picks the same form as the same
+          batch run eagerly, and the two give the same tokens;
         - "fused" (every larger batch on CUDA, decode and prefill): a grouped matmul kernel
           (moe_kernels.py) sorts the pairs by expert on the device and multiplies each chosen
           expert's weights by the rows of its pairs in one launch: only the needed flops, each

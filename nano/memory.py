@@ -3,12 +3,12 @@
 Asking for more memory than there is does not fail at once. On a GPU, torch raises out-of-memory
 halfway through loading; on the host, Linux hands out pages until it swaps or its OOM killer ends
 the process, minutes later and with nothing printed. So the engine adds up what it is about to
-allocate (the weights, counted from the config without allocating them, and the smallest KV cache
-it can run with) and compares that with the memory free now: `torch.cuda.mem_get_info` on a GPU,
-the kernel's MemAvailable on the host (free memory plus the page cache it can reclaim; where the
-host has no /proc, as macOS, all of its RAM), or less where a memory cgroup (a container's
-`--memory`, a systemd slice) allows less: its OOM killer ends the process at the cgroup's limit
-however much the host has free.
+allocate (the weights, counted from the config without allocating them, the request table and the
+KV cache asked for, else room for one request of the full context) and compares that with the
+memory free now: `torch.cuda.mem_get_info` on a GPU, the kernel's MemAvailable on the host (free
+memory plus the page cache it can reclaim; where the host has no /proc, as macOS, all of its RAM),
+or less where a memory cgroup (a container's `--memory`, a systemd slice) allows less: its OOM
+killer ends the process at the cgroup's limit however much the host has free.
 """
 
 import contextlib

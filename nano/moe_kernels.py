@@ -26,12 +26,13 @@ k + S (expert, weight) pairs per token and no special case. The weights are stac
 [E + S, N, I] (a strided view: every expert's down matrix side by side). Both are views that
 kernels index with their strides.
 
-Small decode batches: `gate_up_matvec` and `down_matvec`. A handful of tokens give a handful of
-pairs, each a matrix of a few megabytes times a single vector, two flops for every two bytes of
-bf16 weight. No matrix unit helps there; the time is the time to read the chosen experts' weights,
-and the goal is to read each of them once, in place, at the memory's full bandwidth (about 4 TB/s
-on an H200), in as few launches as possible: at batch 1 a launch costs about what reading a
-megabyte does. So each product does the elementwise work around it in its own epilogue:
+Small batches (decode, or a few prompt tokens): `gate_up_matvec` and `down_matvec`. A handful of
+tokens give a handful of pairs, each a matrix of a few megabytes times a single vector, two flops
+for every two bytes of bf16 weight. No matrix unit helps there; the time is the time to read the
+chosen experts' weights, and the goal is to read each of them once, in place, at the memory's full
+bandwidth (about 4 TB/s on an H200), in as few launches as possible: at batch 1 a launch costs about
+what reading a megabyte does. So each product does the elementwise work around it in its own
+epilogue:
 - `gate_up_matvec`, grid (T * slots pairs, I / BLOCK_N): program (p, n) computes BLOCK_N rows of
   pair p's gate and the same rows of its up projection. It walks along K in BLOCK_K steps, loads a
   [BLOCK_N, BLOCK_K] tile of each and the matching chunk of the input row, multiplies element by
@@ -60,8 +61,8 @@ takes 8 rows by 256 columns on 8 warps: twice the programs, each thread 8 such l
 streaming at full bandwidth takes. Both products of one layer at batch 1 take about 41 us, 3.4
 TB/s (BENCHMARKS.md).
 
-Everything larger (decode batches with more pairs than half the experts, prefill): `fused_moe_matmul`, a
-grouped matmul in the style of vLLM's and SGLang's fused_moe. With several pairs per expert the
+Everything larger (batches with more pairs than half the experts, most prefills): `fused_moe_matmul`,
+a grouped matmul in the style of vLLM's and SGLang's fused_moe. With several pairs per expert the
 work is matrix multiplication again, expert e's weights times the rows of its pairs, so:
 1. `align_pairs_by_expert` sorts the pair ids by expert, on the device, and lays them out in
    blocks of BLOCK_M: each block holds pairs of one expert, and an expert's last block is padded
@@ -87,11 +88,11 @@ experts have pairs. Buffers and grid take that bound, and unused blocks exit at 
 Block sizes (`fused_moe_config`): an expert's weights are read once per block of its pairs, and
 padding rows are wasted work, so BLOCK_M follows a routed expert's average share of the pairs,
 T*k / E, rounded up to a power of two between 16 (the smallest `tl.dot` tile) and 64. Without shared experts that is
-16 up to 168 tokens (at 160, 15 pairs a routed expert) and 64 from 344 tokens on (prefill), where
+16 up to 168 tokens (at 160, 15 pairs a routed expert) and 64 from 337 on (bucket 344), where
 the tensor cores set the pace. A shared expert, though, has a pair for every token, so 16-row
 blocks read its weights T/16 times; the blocks that read the same tile run side by side, so the
 repeats mostly hit in L2, but not all. From 128 tokens that costs more than padding the routed
-experts' blocks: with shared experts, blocks have 64 rows from 128 tokens on (on an H200, 6%
+experts' blocks: with shared experts, blocks have 64 rows from 121 tokens on (bucket 128; H200: 6%
 faster a layer at 128 and 160 tokens; at 64 tokens 16 rows stay faster: scripts/tune_fused_moe.py).
 BLOCK_N = 128 by BLOCK_K = 64 weight tiles (16 KB in bf16) keep a few tiles in flight per
 program in shared memory, even in float32; a 64-row block takes 8 warps for its larger tile.

@@ -45,15 +45,16 @@ MLP) and reads only its block of each checkpoint tensor (`checkpoint_shard`, loa
   are. Expert parallelism pays with many GPUs and large batches, where experts sliced N ways get
   too thin to run well.
 
-Processes. Rank 0 is the process the user runs: the scheduler, the tokenizer and sampling live
-there. It starts ranks 1..N-1 itself (`launch`: torch.multiprocessing, spawn); each builds the
-same Engine on its own GPU (its weight shards, its part of the KV cache, its CUDA graphs) and then
-follows (engine.py's `run_tp_worker`): for every forward pass rank 0 sends the batch, every rank runs the same pass,
-and they meet at the same all-reduces. The batch travels in two parts: its host fields through a
-pipe (which also lets an idle worker wait for as long as rank 0 has no work), its tensors packed
-as bytes into one broadcast, GPU to GPU, that rank 0's host never waits for. CUDA graphs capture the NCCL
-all-reduce like any other kernel; every rank captures the same batch sizes in the same order, and
-since all get the same batch from rank 0, all pad it to the same graph.
+Processes. Rank 0 is the process that runs the engine (the user's, or nano.serve's engine process):
+the scheduler and sampling live there. It starts ranks 1..N-1 itself (`launch`:
+torch.multiprocessing, spawn); each builds the same Engine on its own GPU (its weight shards, its
+part of the KV cache, its CUDA graphs) and then follows (engine.py's `run_tp_worker`): for every
+forward pass rank 0 sends the batch, every rank runs the same pass, and they meet at the same
+all-reduces. The batch travels in two parts: its host fields through a pipe (which also lets an idle
+worker wait for as long as rank 0 has no work), its tensors packed as bytes into one broadcast, GPU
+to GPU, that rank 0's host never waits for. CUDA graphs capture the NCCL all-reduce like any other
+kernel; every rank captures the same batch sizes in the same order, and since all get the same batch
+from rank 0, all pad it to the same graph.
 """
 
 import atexit

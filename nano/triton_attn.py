@@ -84,8 +84,8 @@ class TritonAttnBackend:
 
         device = req_to_token.device  # the interpreter behaves as an H200, so CPU tests split as the GPU does
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-        # A split reads at least one tile of tokens: a shorter one costs more in writing and
-        # merging its partial output than it gains.
+        # A split reads at most one tile of tokens and more than half of one: a sliver costs more
+        # in writing and merging its partial output than it gains.
         self.min_split_tokens, _, _, programs_per_sm = _decode_config(self.k_dim)
         self.target_programs = programs_per_sm * num_sms
         # Decode buffers, allocated once at their largest and sliced per batch (CUDA-graph safe).
@@ -100,8 +100,8 @@ class TritonAttnBackend:
         if not batch.is_decode:
             self.max_extend_len = max(batch.extend_lens_cpu)
             return
-        # Within the cap, a request gets one split per min_split_tokens tokens: short requests are
-        # not chopped into slivers.
+        # Within the cap, a request gets one split per min_split_tokens tokens, rounded up: short
+        # requests are not chopped into slivers.
         wanted = torch.div(batch.seq_lens + (self.min_split_tokens - 1), self.min_split_tokens, rounding_mode="floor")
         torch.clamp(wanted, 1, self.split_cap(len(wanted)), out=self.num_kv_splits[:len(wanted)])
 
