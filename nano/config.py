@@ -158,7 +158,7 @@ def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
 
 
 def _size(source: str, key: str, value, low: int = 1) -> int:
-    """A width or a count: a whole number from low to MAX_SIZE (64.7 was cut to 64, "64" read as 64)."""
+    """A width or a count: a whole number from low to MAX_SIZE (unchecked, 64.7 was cut to 64)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= MAX_SIZE \
             or value != int(value):
         raise ConfigError(f"{source}: {key} must be a whole number from {low} to {MAX_SIZE}, got {value!r}")
@@ -166,7 +166,7 @@ def _size(source: str, key: str, value, low: int = 1) -> int:
 
 
 def _positive(source: str, key: str, value) -> float:
-    """An epsilon, a base or a factor: finite and above 0 (0 or NaN ran, with NaN logits: an empty answer)."""
+    """An epsilon, a base or a factor: finite and above 0 (unchecked, 0 or NaN ran to NaN logits)."""
     if not 0 < float(value) < math.inf:
         raise ConfigError(f"{source}: {key} must be a finite number above 0, got {value!r}")
     return float(value)

@@ -176,7 +176,7 @@ class MoE(nn.Module):
           are at most half the experts (2 T (k + S) <= E + S; on an H200 at 8 tokens of V2-Lite, 64
           pairs of 66 experts, the fused form is the faster: BENCHMARKS.md). T is taken as its batch
           bucket (forward_batch.py), so a batch padded for a graph picks the same form as the same
-          batch run eagerly, and the two give the same tokens;
+          batch run eagerly;
         - "fused" (every larger batch on CUDA, decode and prefill): a grouped matmul kernel
           (moe_kernels.py) sorts the pairs by expert on the device and multiplies each chosen
           expert's weights by the rows of its pairs in one launch: only the needed flops, each

@@ -16,9 +16,10 @@ This module also holds the contract between a decode pass and the CUDA-graph run
 (cuda_graph_runner.py), which records a decode pass once per batch bucket and replays it:
 - `AttentionBackend`: what the model asks of attention, and what a graph needs from it;
 - `batch_bucket`: the sizes graphs are captured at. A real batch of B requests is padded to
-  `batch_bucket(B)` rows before replay. Every choice a pass makes from its batch size (how many
+  `batch_bucket(B)` rows before replay. Every choice nano makes from the batch size (how many
   splits decode attention uses, which MoE form runs) is made from the bucket, so a padded batch
-  computes exactly what the same batch run eagerly computes, and both give the same tokens.
+  chooses as the same batch run eagerly; only cuBLAS picks its kernels by row count, and those may
+  round differently (BENCHMARKS.md, "Tensor parallelism").
 """
 
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ import torch
 
 def batch_bucket(bs: int) -> int:
     """bs rounded up to a power of two up to 8, then to a multiple of 8: 1, 2, 4, 8, 16, 24, ...
-    Rounding a bucket again changes nothing, which is what keeps graph and eager runs alike."""
+    Rounding a bucket again changes nothing, which is what keeps graph and eager runs choosing alike."""
     return 1 << (bs - 1).bit_length() if bs <= 8 else -(-bs // 8) * 8
 
 
@@ -112,9 +113,9 @@ class AttentionBackend(Protocol):
     """Attention over the KV pool, as the model uses it (torch_attn.py, triton_attn.py).
 
     For CUDA graphs a backend promises: `init_forward_metadata` of a decode batch works on the
-    device only (no host reads, no allocation), so the graph runner captures it together with the
-    model; every buffer it writes is allocated once, at the largest batch size; and any choice it
-    makes from the batch size goes through `batch_bucket`."""
+    device only (no host reads; its temporaries come from the graph's memory pool), so the graph
+    runner captures it together with the model; every buffer it writes is allocated once, at the
+    largest batch size; and any choice it makes from the batch size goes through `batch_bucket`."""
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Per-pass state shared by every layer (e.g. decode split counts). Called once per pass."""

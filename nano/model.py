@@ -101,7 +101,7 @@ class LlamaAttention(nn.Module):
     def forward(self, x, batch: ForwardBatch, attn):
         qkv = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
         q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in qkv)  # views: [T, H, D], [T, Hkv, D], [T, Hkv, D]
-        if self.q_norm is not None:  # on [T*H, D] rows, the norm kernel's shape (reshape copies the strided views)
+        if self.q_norm is not None:  # on [T*H, D] rows, the norm kernel's shape (reshape copies strided views)
             q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
         self.rotary(batch.positions, q, k)  # in place

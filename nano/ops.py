@@ -5,12 +5,12 @@ the same with nothing to add), `ops.silu_and_mul` (and `ops.linear_silu_and_mul`
 row), `ops.apply_rope_` and `ops.route`, and sampling.py calls `ops.argmax`, without asking where
 they run. Each has two implementations: the Triton kernel of the same name for CUDA tensors
 (triton_ops.py, the router's moe_kernels.py, say what each gains: fewer launches, or faster reads
-than torch's kernels), and the plain torch below for any other. The torch version is what a CPU
-run computes and the truth the kernel tests compare against (`op.reference`). The device of the
-op's first tensor decides, here and nowhere else. triton is imported on the first call with a CUDA
-tensor: it is not a runtime dependency (the CUDA build of torch brings its own), and a CPU run
-never imports it. `kernels()` hands out the kernel modules the same way to code that runs a kernel
-itself: MoE's "matvec" and "fused" forms (deepseek.py), which only a CUDA run picks.
+than torch's kernels), and the plain torch below for any other. The torch version is what a CPU run
+computes and the truth the kernel tests compare against (`op.reference`). The device of the op's
+first tensor decides, here for every op. triton is imported on the first call with a CUDA tensor: it
+is not a runtime dependency (the CUDA build of torch brings its own), and a CPU run never imports
+it. `kernels()` hands out the kernel modules the same way to code that runs a kernel itself: MoE's
+"matvec" and "fused" forms (deepseek.py), which only a CUDA run picks.
 """
 
 import functools

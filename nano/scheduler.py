@@ -21,7 +21,7 @@ slot, requests are taken out of the batch until it can. Which: the one with the 
 tokens, among those the one with the longest prompt (SGLang's rule): it has the least decoding to
 lose and frees the most room. A retracted request keeps its prompt, its tokens and its seeded
 generator; its K/V goes into the prefix cache, so when it is admitted again it recomputes only
-what other requests evicted in between, in one prefill over prompt + tokens (vLLM's "preemption
+what other requests evicted in between, in a prefill over prompt + tokens (vLLM's "preemption
 by recompute", made cheaper by the cache). It goes to the front of the queue, so it cannot
 starve, and the ratio backs off (+0.3): the bet was too bold. The last running request is never
 retracted (no request's context exceeds the pool): a prompt part-way through prefill is instead.
