@@ -60,15 +60,24 @@ def test_logits_match_hf_reading_the_gguf(model, hf_tokenizer, reference):
         assert diff < 1e-4, prompt
 
 
-def test_conversion_matches_hf_reading_the_gguf(gguf_path, hf_tokenizer, reference, tmp_path):
+def test_conversion_matches_hf_reading_the_gguf(gguf_path, reference, tmp_path):
     """smollm2_dir is converted once and then cached, so the tests above never rerun the conversion:
     run it here, and the folder it writes must load in transformers with the GGUF's logits, its eps
-    the decimal SmolLM2 was trained with (the GGUF's float32 is 9.99999975e-06)."""
+    the decimal SmolLM2 was trained with (the GGUF's float32 is 9.99999975e-06), and nano's tokenizer
+    must read it as transformers reads the GGUF, special tokens too (a chat's <|im_start|> is one
+    token, and a decode leaves it out)."""
     default_model._convert_gguf(gguf_path, tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["rms_norm_eps"] == 1e-05
     converted = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    ids = AutoTokenizer.from_pretrained(tmp_path)(PROMPTS[0], return_tensors="pt")["input_ids"]
-    assert ids.tolist() == hf_tokenizer(PROMPTS[0], return_tensors="pt")["input_ids"].tolist()
+    hf_tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    tokenizer = Tokenizer(tmp_path)  # nano's reads tokenizer.json alone, its special tokens included
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    expected = hf_tokenizer(chat, add_special_tokens=False)["input_ids"]
+    assert tokenizer.encode_chat(messages) == expected
+    assert tokenizer.decode(expected) == hf_tokenizer.decode(expected, skip_special_tokens=True)
+    assert tokenizer.encode_text(PROMPTS[0]) == hf_tokenizer(PROMPTS[0], add_special_tokens=False)["input_ids"]
+    ids = torch.tensor([tokenizer.encode_text(PROMPTS[0])])
     with torch.no_grad():
         assert (converted(ids).logits - reference(ids).logits).abs().max().item() < 1e-4
 
