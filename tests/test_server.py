@@ -1156,6 +1156,22 @@ def test_bench_serving_dataset_is_utf8_whatever_the_locale(tmp_path):
     assert [tuple(row) for row in json.loads(result.stdout)] == rows
 
 
+def test_bench_serving_cycles_through_a_dataset_to_the_number_of_prompts(tmp_path):
+    """--num-prompts requests whatever the file holds: fewer lines are used again in order (cut at
+    whole copies, 7 prompts of 3 lines ran 6)."""
+    import argparse
+
+    from nano.bench_serving import make_prompts
+
+    rows = [([5, 6, 7], 2), ("hi", 3), ([9], 1)]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p, "output_len": n}) + "\n" for p, n in rows))
+    for num_prompts in (2, 3, 7):
+        args = argparse.Namespace(dataset=str(path), seed=1, num_prompts=num_prompts, random_output_len=128,
+                                  unknown_output_len=False)
+        assert make_prompts(args, 100) == (rows * 3)[:num_prompts]
+
+
 def test_bench_serving_text_prompts_of_unknown_output_length_are_one_line(server, tmp_path):
     """The request asks for the context left after its prompt, which a text prompt's characters do not tell."""
     (tmp_path / "text.jsonl").write_text('{"prompt": "Hello there"}\n')
