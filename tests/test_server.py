@@ -1017,6 +1017,30 @@ def test_bench_serving_times_no_wait_after_the_last_request(monkeypatch):
     assert len(results) == 1 and duration < 0.5
 
 
+@pytest.mark.parametrize("max_concurrency", [None, 3])
+def test_bench_serving_holds_as_many_requests_in_flight_as_asked(monkeypatch, max_concurrency):
+    """All of them at once by default (a rate of inf is a burst), else at most --max-concurrency."""
+    import asyncio
+    import types
+
+    from nano import bench_serving
+
+    in_flight, most = [0], [0]
+
+    async def send(*args):
+        in_flight[0] += 1
+        most[0] = max(most[0], in_flight[0])
+        await asyncio.sleep(0.05)
+        in_flight[0] -= 1
+        return bench_serving.Result()
+
+    monkeypatch.setattr(bench_serving, "send", send)
+    args = types.SimpleNamespace(seed=1, max_concurrency=max_concurrency, request_rate=float("inf"), base_url="",
+                                 context=None)
+    results, _ = asyncio.run(bench_serving.send_all(None, args, [([1, 2], 3)] * 8, "model"))
+    assert len(results) == 8 and most[0] == (max_concurrency or 8)
+
+
 def test_stats_line_leaves_out_the_time_the_engine_sat_idle(tmp_path, monkeypatch, capsys):
     """Two bursts of one request, an hour idle between them, one step a second (a fake clock): every
     stats line reads about 1 decode token a second. Counting the idle hour, the line after it read 0.0."""
