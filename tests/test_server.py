@@ -1017,6 +1017,20 @@ def test_bench_serving_times_no_wait_after_the_last_request(monkeypatch):
     assert len(results) == 1 and duration < 0.5
 
 
+def test_bench_serving_flags_reach_the_run_as_their_help_says(monkeypatch):
+    """--random-output-range-ratio defaults to --random-range-ratio, and --shared-prefix-len may be 0."""
+    from nano import bench_serving
+
+    runs = []
+
+    async def benchmark(args):
+        runs.append(args)
+
+    monkeypatch.setattr(bench_serving, "benchmark", benchmark)
+    bench_serving.main(["--dataset", "shared-prefix", "--random-range-ratio", "0.5", "--shared-prefix-len", "0"])
+    assert runs[0].random_output_range_ratio == 0.5 and runs[0].shared_prefix_len == 0
+
+
 @pytest.mark.parametrize("max_concurrency", [None, 3])
 def test_bench_serving_holds_as_many_requests_in_flight_as_asked(monkeypatch, max_concurrency):
     """All of them at once by default (a rate of inf is a burst), else at most --max-concurrency."""
