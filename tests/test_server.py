@@ -1017,6 +1017,14 @@ def test_bench_serving_times_no_wait_after_the_last_request(monkeypatch):
     assert len(results) == 1 and duration < 0.5
 
 
+@pytest.mark.parametrize("flags", [["--request-rate", "0"], ["--request-rate", "nan"], ["--num-prompts", "0"],
+                                   ["--max-concurrency", "0"], ["--shared-prefix-len", "-1"],
+                                   ["--random-range-ratio", "1.5"], ["--random-output-range-ratio", "-0.1"]])
+def test_bench_serving_bad_flags_are_one_line(flags):
+    """Refused before any request goes out (a rate of 0 would fail mid-run, in the arrivals' draw)."""
+    assert_one_line_error(run_main(*flags, module="nano.bench_serving"), "must be > 0")
+
+
 def test_bench_serving_flags_reach_the_run_as_their_help_says(monkeypatch):
     """--random-output-range-ratio defaults to --random-range-ratio, and --shared-prefix-len may be 0."""
     from nano import bench_serving
