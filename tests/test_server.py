@@ -1042,9 +1042,6 @@ def test_bench_serving_flags_reach_the_run_as_their_help_says(monkeypatch):
 @pytest.mark.parametrize("max_concurrency", [None, 3])
 def test_bench_serving_holds_as_many_requests_in_flight_as_asked(monkeypatch, max_concurrency):
     """All of them at once by default (a rate of inf is a burst), else at most --max-concurrency."""
-    import asyncio
-    import types
-
     from nano import bench_serving
 
     in_flight, most = [0], [0]
@@ -1057,8 +1054,8 @@ def test_bench_serving_holds_as_many_requests_in_flight_as_asked(monkeypatch, ma
         return bench_serving.Result()
 
     monkeypatch.setattr(bench_serving, "send", send)
-    args = types.SimpleNamespace(seed=1, max_concurrency=max_concurrency, request_rate=float("inf"), base_url="",
-                                 context=None)
+    args = SimpleNamespace(seed=1, max_concurrency=max_concurrency, request_rate=float("inf"), base_url="",
+                           context=None)
     results, _ = asyncio.run(bench_serving.send_all(None, args, [([1, 2], 3)] * 8, "model"))
     assert len(results) == 8 and most[0] == (max_concurrency or 8)
 
